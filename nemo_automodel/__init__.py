@@ -1,0 +1,1 @@
+"""Block-diagonal context parallelism for packed-sequence LLM training (NeMo Automodel style)."""

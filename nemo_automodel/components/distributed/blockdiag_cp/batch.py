@@ -1,0 +1,270 @@
+"""Batch validation, padding and contiguous sharding, and the per-step train context."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from nemo_automodel.components.distributed.blockdiag_cp import state as state_module
+from nemo_automodel.components.distributed.blockdiag_cp.kernels import precompute_blockdiag_varlen_meta
+from nemo_automodel.components.distributed.blockdiag_cp.layout import DocRuns, doc_runs_from_ids, rank_segments
+from nemo_automodel.components.distributed.blockdiag_cp.state import StepState
+
+# Sequence-aligned batch fields that are padded and sharded (``position_ids``
+# may also be mRoPE ``[3, B, S]``; every other field is ``[B, S, ...]``).
+SEQ_FIELDS = ("input_ids", "inputs_embeds", "labels", "position_ids", "loss_mask", "padding_mask", "_packed_seq_ids")
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """How a packed row was padded and split over the CP group.
+
+    Attributes:
+        original_seq_len: ``S`` before padding.
+        padded_seq_len: ``S_full``, a multiple of ``2 * cp_size``.
+        cp_size: Number of CP ranks.
+        cp_rank: This rank.
+        row_offset: Global position of this rank's first local row.
+        local_len: Local rows per rank ``S_full / cp_size``.
+    """
+
+    original_seq_len: int
+    padded_seq_len: int
+    cp_size: int
+    cp_rank: int
+    row_offset: int
+    local_len: int
+
+
+def _allowed(mask: torch.Tensor) -> torch.Tensor:
+    """Boolean "may attend" from a bool, integer (non-zero) or additive float (0 = allowed) mask."""
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.is_floating_point():
+        return mask == 0
+    return mask != 0
+
+
+def _ids_from_block_causal_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Document ids ``[1, S]`` from a 4-D block-causal mask ``[1, 1, S, S]``.
+
+    A valid row (it sees itself) starts a document when it cannot see the
+    previous token. The mask must be exactly block-diagonal causal on its
+    valid rows; padding rows (not seeing themselves) are id 0.
+    """
+    allowed = _allowed(mask[:, 0])
+    valid = allowed.diagonal(dim1=-2, dim2=-1)
+    sees_prev = torch.zeros_like(valid)
+    sees_prev[:, 1:] = allowed[:, 1:, :-1].diagonal(dim1=-2, dim2=-1)
+    ids = torch.cumsum(valid & ~sees_prev, dim=1) * valid
+    pos = torch.arange(ids.shape[1], device=ids.device)
+    rebuilt = (ids[:, :, None] == ids[:, None, :]) & (pos[None, None, :] <= pos[None, :, None])
+    if bool(((rebuilt != allowed) & valid[:, :, None]).any()):
+        raise ValueError(
+            "attention_mask: the 4-D mask is not block-diagonal causal (a row sees keys outside its own "
+            "document's prefix); pass `_packed_seq_ids` [B, S] instead"
+        )
+    return ids.long()
+
+
+def _document_ids(batch: dict[str, Any], batch_size: int, seq_len: int, device: torch.device) -> torch.Tensor:
+    """Per-token document ids ``[B, S]`` (0 == pad) from the best source in ``batch``.
+
+    Order: ``_packed_seq_ids``; a 4-D block-causal ``attention_mask``; a ``[B, S]``
+    mask (0/1 validity, or indexed document ids); else one document.
+    """
+    seq_ids = batch.get("_packed_seq_ids")
+    mask = batch.get("attention_mask")
+    if seq_ids is not None:
+        field, ids = "_packed_seq_ids", seq_ids
+    elif mask is not None and mask.dim() == 4:
+        if tuple(mask.shape) != (batch_size, 1, seq_len, seq_len):
+            raise ValueError(
+                f"attention_mask: 4-D mask must be [B, 1, S, S] = [{batch_size}, 1, {seq_len}, "
+                f"{seq_len}], got {tuple(mask.shape)}"
+            )
+        field, ids = "attention_mask", _ids_from_block_causal_mask(mask)
+    elif mask is not None:
+        field, ids = "attention_mask", mask
+    else:
+        return torch.ones(batch_size, seq_len, dtype=torch.long, device=device)
+    if tuple(ids.shape) != (batch_size, seq_len):
+        raise ValueError(
+            f"{field}: document ids must be [B, S] = [{batch_size}, {seq_len}] like the inputs, got {tuple(ids.shape)}"
+        )
+    if ids.is_floating_point():
+        raise ValueError(f"{field}: document ids must be integer or bool, got {ids.dtype}")
+    return ids.to(device=device, dtype=torch.long)
+
+
+def _seq_dim(field: str, tensor: torch.Tensor) -> int:
+    return 2 if field == "position_ids" and tensor.dim() == 3 else 1
+
+
+def _check_seq_field(field: str, tensor: Any, batch_size: int, seq_len: int) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{field}: expected a tensor, got {type(tensor).__name__}")
+    dim = _seq_dim(field, tensor)
+    if field == "position_ids" and tensor.dim() == 3 and tensor.shape[0] != 3:
+        raise ValueError(f"position_ids: a 3-D tensor must be mRoPE [3, B, S], got {tuple(tensor.shape)}")
+    if tensor.dim() <= dim or tensor.shape[dim] != seq_len or tensor.shape[dim - 1] != batch_size:
+        raise ValueError(
+            f"{field}: expected batch {batch_size} and sequence length {seq_len} like the inputs, "
+            f"got shape {tuple(tensor.shape)}"
+        )
+
+
+def _pad_and_shard(
+    field: str, tensor: torch.Tensor, pad_len: int, fill: float | int | bool, row_offset: int, local_len: int
+) -> torch.Tensor:
+    """Pad ``tensor`` on its sequence dim with ``fill`` and slice this rank's contiguous rows."""
+    dim = _seq_dim(field, tensor)
+    if pad_len:
+        shape = list(tensor.shape)
+        shape[dim] = pad_len
+        tensor = torch.cat((tensor, torch.full(shape, fill, dtype=tensor.dtype, device=tensor.device)), dim=dim)
+    return tensor.narrow(dim, row_offset, local_len)
+
+
+def _cp_group(cp_mesh: DeviceMesh | None) -> tuple[dist.ProcessGroup | None, int, int]:
+    """``(group, cp_size, cp_rank)``; ``cp_mesh=None`` means a single rank without a process group."""
+    if cp_mesh is None:
+        return None, 1, 0
+    if cp_mesh.ndim != 1:
+        raise ValueError(f"cp_mesh must be the 1-D CP sub-mesh (e.g. mesh['cp']), got a {cp_mesh.ndim}-D mesh")
+    world = cp_mesh.size()
+    group = cp_mesh.get_group()
+    group_world = dist.get_world_size(group)
+    if group_world != world:
+        raise RuntimeError(
+            f"cp_mesh: its process group has {group_world} ranks but the mesh has {world}; the CP sub-group is "
+            "mis-resolved (build the mesh with init_device_mesh(..., mesh_dim_names=(..., 'cp')) and pass mesh['cp'])"
+        )
+    return group, world, cp_mesh.get_local_rank()
+
+
+def make_cp_blockdiag_batch_and_ctx(
+    cp_mesh: DeviceMesh | None,
+    tp_mesh: DeviceMesh | None,
+    batch: dict[str, Any],
+    *,
+    loss_mask: torch.Tensor | None = None,
+    padding_token_id: int = 0,
+    attn_backend: str | None = None,
+    kv_exchange: str | None = None,
+) -> tuple[Callable[[], contextlib.AbstractContextManager[StepState]], dict[str, Any], ShardLayout]:
+    """Validate, pad and shard one packed batch, and build its step context.
+
+    Everything is validated before anything is built, so a bad batch raises a
+    ``ValueError`` naming the field and leaves no state behind; the caller's
+    ``batch`` dict is never modified.
+
+    Args:
+        cp_mesh: The 1-D CP device (sub)mesh (``None``: one rank, no process group).
+        tp_mesh: Unused (block-diagonal CP shards only the sequence); kept for the sharder signature.
+        batch: Exactly one of ``input_ids [1, S]`` / ``inputs_embeds [1, S, H]``; optional
+            ``labels``, ``position_ids`` (``[1, S]`` or mRoPE ``[3, 1, S]``), ``loss_mask``,
+            ``_packed_seq_ids [1, S]`` (1-based per token, 0 = padding) or ``attention_mask``.
+        loss_mask: Optional per-token loss weights ``[1, S]`` (stored as ``batch["loss_mask"]``).
+        padding_token_id: Fill for padded ``input_ids``.
+        attn_backend: Kernel for this step (``None``: the configured value).
+        kv_exchange: Exchange for this step (``None``: the configured value).
+
+    Returns:
+        ``(train_ctx, batch, layout)``: ``train_ctx()`` is a context manager that
+        activates the step state for forward *and* backward (wrap both) and
+        restores the previous state on exit; ``batch`` is a new dict holding this
+        rank's rows (``attention_mask`` dropped, ``padding_mask`` added, True = pad);
+        ``layout`` records the original and padded lengths.
+    """
+    configured = state_module.cp_varlen_runtime_config()
+    backend = state_module.normalize_attn_backend(
+        attn_backend if attn_backend is not None else configured["attn_backend"]
+    )
+    kv_mode = state_module.normalize_kv_exchange(kv_exchange if kv_exchange is not None else configured["kv_exchange"])
+    group, world, rank = _cp_group(cp_mesh)
+
+    if ("input_ids" in batch) == ("inputs_embeds" in batch):
+        raise ValueError("batch: pass exactly one of 'input_ids' or 'inputs_embeds'")
+    primary_field = "input_ids" if "input_ids" in batch else "inputs_embeds"
+    primary = batch[primary_field]
+    if primary.dim() < 2:
+        raise ValueError(f"{primary_field}: expected [B, S, ...], got shape {tuple(primary.shape)}")
+    batch_size, seq_len, device = primary.shape[0], primary.shape[1], primary.device
+    if batch_size != 1:
+        raise ValueError(
+            f"{primary_field}: block-diagonal CP needs local batch size 1 (one packed row per rank), "
+            f"got {batch_size}; pack the documents into one row and set the local batch size to 1"
+        )
+
+    doc_ids = _document_ids(batch, batch_size, seq_len, device)
+    runs = doc_runs_from_ids(doc_ids, "_packed_seq_ids" if "_packed_seq_ids" in batch else "document ids")
+    fields = {k: v for k, v in batch.items() if k in SEQ_FIELDS and v is not None}
+    fields["padding_mask"] = doc_ids.eq(0)
+    if loss_mask is not None:
+        fields["loss_mask"] = loss_mask
+    for name, tensor in fields.items():
+        _check_seq_field(name, tensor, batch_size, seq_len)
+
+    pad_len = (-seq_len) % (2 * world)
+    padded_len = seq_len + pad_len
+    local_len = padded_len // world
+    row_offset = rank * local_len
+    fills = {"input_ids": padding_token_id, "labels": -100, "padding_mask": True}
+    out = {k: v for k, v in batch.items() if k != "attention_mask"}
+    for name, tensor in fields.items():
+        out[name] = _pad_and_shard(name, tensor, pad_len, fills.get(name, 0), row_offset, local_len)
+
+    step_state = _build_step_state(
+        group, world, rank, doc_ids, runs.padded_to(padded_len), local_len, device, backend, kv_mode
+    )
+
+    @contextlib.contextmanager
+    def train_ctx() -> Iterator[StepState]:
+        token = state_module._STEP_STATE.set(step_state)
+        try:
+            yield step_state
+        finally:
+            state_module._STEP_STATE.reset(token)
+
+    layout = ShardLayout(seq_len, padded_len, world, rank, row_offset, local_len)
+    return train_ctx, out, layout
+
+
+def _build_step_state(
+    group: dist.ProcessGroup | None,
+    world: int,
+    rank: int,
+    doc_ids: torch.Tensor,
+    runs: DocRuns,
+    local_len: int,
+    device: torch.device,
+    backend: str,
+    kv_mode: str,
+) -> StepState:
+    """Precompute everything the attention layers of this step share (no per-layer host syncs)."""
+    pad_len = runs.total_len - doc_ids.shape[1]
+    doc_ids_full = torch.nn.functional.pad(doc_ids, (0, pad_len))
+    segments = rank_segments(runs, rank, local_len)
+    cu_cpu = torch.tensor(runs.cu_seqlens(), dtype=torch.int32)
+    return StepState(
+        group=group,
+        cp_rank=rank,
+        cp_size=world,
+        doc_ids=doc_ids_full,
+        row_offset=rank * local_len,
+        local_len=local_len,
+        runs=runs,
+        segments=segments,
+        varlen_meta=precompute_blockdiag_varlen_meta(segments, device),
+        packed_cu_seqlens=cu_cpu.to(device),
+        packed_cu_seqlens_cpu=cu_cpu,
+        attn_backend=backend,
+        kv_exchange=kv_mode,
+    )

@@ -1,0 +1,551 @@
+"""Block-diagonal causal attention kernels over one rank's packed keys.
+
+Every kernel has the same contract: local queries ``q [1, Hq, L, D]`` attend a
+packed key/value tensor ``k, v [1, Hkv, K, D]`` described by a
+:class:`VarlenMeta` (per-document ``cu_seqlens``). Document ``i`` owns query
+rows ``[cu_q[i], cu_q[i+1])`` and keys ``[cu_k[i], cu_k[i+1])``; causality is
+aligned bottom-right, because only the first local document can have more
+keys than queries (its beginning lives on an earlier rank). Rows past
+``n_real`` are padding: their output is zero.
+
+Kernels:
+    ``flash``        FlashAttention ``flash_attn_varlen_func`` (CUDA, fp16/bf16).
+    ``te``           TransformerEngine ``DotProductAttention`` in THD format (CUDA, fp16/bf16).
+    ``sdpa_varlen``  Any device/dtype: per-document PyTorch SDPA calls, equal-length
+                     documents batched together; never builds an ``[L, S]`` mask.
+    ``dense``        One PyTorch SDPA call with an explicit ``[n_real, K]`` boolean mask.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from nemo_automodel.components.distributed.blockdiag_cp.layout import RankSegments
+from nemo_automodel.components.distributed.blockdiag_cp.logs import log_once
+
+logger = logging.getLogger(__name__)
+
+# Torch's SDPA, captured before anything in this package can patch it.
+TORCH_SDPA = F.scaled_dot_product_attention
+
+# Upper bound on the boolean mask elements one SDPA call of `sdpa_varlen` may
+# build for a left-straddling document (16 Mi bools = 16 MiB).
+_MASK_BUDGET = 1 << 24
+
+
+@dataclass(frozen=True)
+class VarlenMeta:
+    """One rank's per-step kernel metadata, computed once and validated on the host.
+
+    Attributes:
+        local_len: Local query rows ``L``.
+        n_real: Real local rows (a prefix of the ``L`` rows).
+        q_lens: Query rows per local document.
+        k_lens: Packed keys per local document (``k_lens[0] - q_lens[0]`` is the
+            first document's left straddle; all later documents have ``k == q``).
+        cu_q: Cumulative query offsets ``[n_docs + 1]`` int32 on the compute device.
+        cu_k: Cumulative key offsets ``[n_docs + 1]`` int32 on the compute device.
+        max_q: Longest query run.
+        max_k: Longest key run.
+    """
+
+    local_len: int
+    n_real: int
+    q_lens: tuple[int, ...]
+    k_lens: tuple[int, ...]
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+    _validated: dict[tuple[int, int, str], str | None] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def kv_len(self) -> int:
+        """Length ``K`` of the packed key tensor."""
+        return sum(self.k_lens)
+
+    @property
+    def straddle(self) -> int:
+        """Keys of the first local document that precede this rank's rows."""
+        return self.k_lens[0] - self.q_lens[0] if self.q_lens else 0
+
+    def segments(self) -> Iterator[tuple[int, int, int, int]]:
+        """Yield ``(q_start, q_len, k_start, k_len)`` per document, in order."""
+        q_start = k_start = 0
+        for q_len, k_len in zip(self.q_lens, self.k_lens):
+            yield q_start, q_len, k_start, k_len
+            q_start += q_len
+            k_start += k_len
+
+    def describe(self) -> str:
+        """Compact text for diagnostics (no device access)."""
+        return (
+            f"n_real={self.n_real}/{self.local_len} docs={len(self.q_lens)} kv_len={self.kv_len} "
+            f"straddle={self.straddle} max_q={self.max_q} max_k={self.max_k}"
+        )
+
+
+def precompute_blockdiag_varlen_meta(segments: RankSegments, device: torch.device | str) -> VarlenMeta:
+    """Build and validate this rank's kernel metadata once per step.
+
+    Args:
+        segments: This rank's local document runs (from :mod:`.layout`).
+        device: Device the kernels run on; ``cu_q``/``cu_k`` are placed there.
+
+    Raises:
+        ValueError: if the segments are inconsistent (a bug upstream, caught on
+            the host before any kernel can read out of bounds).
+    """
+    q_lens, k_lens = segments.q_lens, segments.k_lens
+    cu_q = [0]
+    cu_k = [0]
+    for q_len, k_len in zip(q_lens, k_lens):
+        cu_q.append(cu_q[-1] + q_len)
+        cu_k.append(cu_k[-1] + k_len)
+    meta = VarlenMeta(
+        local_len=segments.local_len,
+        n_real=segments.n_real,
+        q_lens=q_lens,
+        k_lens=k_lens,
+        cu_q=torch.tensor(cu_q, dtype=torch.int32, device=device),
+        cu_k=torch.tensor(cu_k, dtype=torch.int32, device=device),
+        max_q=max(q_lens, default=0),
+        max_k=max(k_lens, default=0),
+    )
+    reason = _host_metadata_problem(meta, cu_q, cu_k)
+    if reason is not None:
+        raise ValueError(f"inconsistent varlen metadata for CP rank {segments.rank}: {reason}")
+    return meta
+
+
+def _host_metadata_problem(meta: VarlenMeta, cu_q: list[int], cu_k: list[int]) -> str | None:
+    """Check every index a varlen kernel will trust; ``None`` when all are safe."""
+    if not 0 <= meta.n_real <= meta.local_len:
+        return f"n_real={meta.n_real} outside [0, {meta.local_len}]"
+    if len(meta.q_lens) != len(meta.k_lens):
+        return "q_lens and k_lens differ in length"
+    if meta.n_real == 0:
+        return None if not meta.q_lens else "documents listed on an all-padding rank"
+    if any(q <= 0 for q in meta.q_lens) or any(k <= 0 for k in meta.k_lens):
+        return "every document run must be non-empty"
+    if cu_q[-1] != meta.n_real:
+        return f"cu_q[-1]={cu_q[-1]} != n_real={meta.n_real}"
+    if meta.k_lens[0] < meta.q_lens[0] or meta.k_lens[1:] != meta.q_lens[1:]:
+        return "only the first local document may have more keys than queries"
+    if cu_k[-1] != meta.kv_len:
+        return "cu_k does not end at the packed key length"
+    return None
+
+
+def _varlen_metadata_unavailable_reason(
+    meta: VarlenMeta | None, *, query_len: int, key_len: int, device: torch.device
+) -> str | None:
+    """Why ``meta`` cannot drive a kernel on these shapes, or ``None`` when it can.
+
+    Cheap and cached per ``(query_len, key_len, device)``: the tensors were
+    built from validated host lists, so only their shapes, placement and the
+    key bounds are checked here.
+
+    Args:
+        meta: This rank's metadata (``None`` means the step has none).
+        query_len: Local query rows of the call (must equal ``meta.local_len``).
+        key_len: Full padded sequence length ``S_full``; the packed keys cannot exceed it.
+        device: Device the kernel will run on.
+    """
+    if meta is None:
+        return "missing varlen metadata"
+    signature = (int(query_len), int(key_len), str(device))
+    if signature not in meta._validated:
+        meta._validated[signature] = _metadata_shape_problem(meta, int(query_len), int(key_len), device)
+    return meta._validated[signature]
+
+
+def _metadata_shape_problem(meta: VarlenMeta, query_len: int, key_len: int, device: torch.device) -> str | None:
+    if query_len != meta.local_len:
+        return f"query length {query_len} != the step's local length {meta.local_len}"
+    if meta.kv_len > key_len:
+        return f"packed key length {meta.kv_len} exceeds the sequence length {key_len}"
+    for name, cu in (("cu_q", meta.cu_q), ("cu_k", meta.cu_k)):
+        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() != len(meta.q_lens) + 1:
+            return f"{name} must be int32 [n_docs + 1]"
+        if cu.device != torch.device(device):
+            return f"{name} is on {cu.device}, the kernel runs on {device}"
+    return None
+
+
+# ---------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------
+
+
+def _pad_rows(out: torch.Tensor, local_len: int) -> torch.Tensor:
+    """Append zero rows to ``out [1, Hq, n_real, D]`` up to ``local_len``."""
+    missing = local_len - out.shape[2]
+    if missing == 0:
+        return out
+    return torch.cat((out, out.new_zeros(out.shape[0], out.shape[1], missing, out.shape[3])), dim=2)
+
+
+def _from_thd(out: torch.Tensor, num_heads: int, local_len: int) -> torch.Tensor:
+    """``[n_real, Hq, D]`` or ``[n_real, Hq * D]`` -> ``[1, Hq, L, D]`` with zero padding rows."""
+    out = out.reshape(out.shape[0], num_heads, -1)
+    return _pad_rows(out.transpose(0, 1).unsqueeze(0), local_len)
+
+
+def _to_thd(x: torch.Tensor) -> torch.Tensor:
+    """``[1, H, T, D]`` -> contiguous ``[T, H, D]`` (the varlen kernels' token-major layout)."""
+    return x[0].transpose(0, 1).contiguous()
+
+
+def _dense_mask(meta: VarlenMeta, device: torch.device) -> torch.Tensor:
+    """Boolean ``[n_real, K]`` mask: same document and key position <= query position."""
+    q_lens = torch.tensor(meta.q_lens, device=device)
+    k_lens = torch.tensor(meta.k_lens, device=device)
+    doc_q = torch.repeat_interleave(torch.arange(len(meta.q_lens), device=device), q_lens)
+    doc_k = torch.repeat_interleave(torch.arange(len(meta.k_lens), device=device), k_lens)
+    cu_q = meta.cu_q.to(device=device, dtype=torch.long)
+    cu_k = meta.cu_k.to(device=device, dtype=torch.long)
+    # Position inside the document; queries are shifted by the left straddle (bottom-right causal).
+    pos_q = torch.arange(meta.n_real, device=device) - cu_q[doc_q] + (k_lens - q_lens)[doc_q]
+    pos_k = torch.arange(meta.kv_len, device=device) - cu_k[doc_k]
+    return (doc_q[:, None] == doc_k[None, :]) & (pos_k[None, :] <= pos_q[:, None])
+
+
+def _dense(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMeta, scale: float | None, dropout_p: float
+) -> torch.Tensor:
+    """One masked SDPA call over all real rows; the ``[n_real, K]`` mask is explicit."""
+    gqa = q.shape[1] != k.shape[1]
+    if gqa and q.device.type != "cpu":
+        # CUDA's memory-efficient kernel (the one that takes arbitrary masks) has no
+        # GQA support; with enable_gqa the dispatcher would pick the math kernel and
+        # materialize fp32 scores. Expanding K/V keeps the efficient kernel.
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        gqa = False
+    if dropout_p > 0.0 and q.device.type == "cpu":
+        log_once(
+            logger,
+            "dense-cpu-dropout",
+            logging.WARNING,
+            "dense CP attention with dropout on CPU uses the math SDPA kernel (materializes scores)",
+        )
+    out = TORCH_SDPA(
+        q[:, :, : meta.n_real],
+        k,
+        v,
+        attn_mask=_dense_mask(meta, q.device),
+        dropout_p=dropout_p,
+        scale=scale,
+        enable_gqa=gqa,
+    )
+    return _pad_rows(out, meta.local_len)
+
+
+def _bottom_right_causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, dropout_p: float, gqa: bool
+) -> torch.Tensor:
+    """One document whose ``q [1, Hq, Q, D]`` rows are the last ``Q`` of its ``k [1, Hkv, K, D]`` keys.
+
+    Query row ``i`` sees keys ``[0, K - Q + i]``. SDPA's ``is_causal`` is aligned
+    top-left, so rows are processed in tiles with a small explicit mask, each
+    tile reading only the keys up to its last row.
+    """
+    q_len, k_len = q.shape[2], k.shape[2]
+    prefix = k_len - q_len
+    rows = max(1, min(q_len, _MASK_BUDGET // k_len))
+    outs = []
+    for a in range(0, q_len, rows):
+        b = min(q_len, a + rows)
+        key_end = prefix + b
+        last_key = prefix + torch.arange(a, b, device=q.device)  # last key each row may see
+        mask = torch.arange(key_end, device=q.device)[None, :] <= last_key[:, None]
+        outs.append(
+            TORCH_SDPA(
+                q[:, :, a:b],
+                k[:, :, :key_end],
+                v[:, :, :key_end],
+                attn_mask=mask,
+                dropout_p=dropout_p,
+                scale=scale,
+                enable_gqa=gqa,
+            )
+        )
+    return torch.cat(outs, dim=2)
+
+
+def _sdpa_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMeta, scale: float | None, dropout_p: float
+) -> torch.Tensor:
+    """Per-document SDPA; documents of equal length share one batched ``is_causal`` call.
+
+    Memory stays O(tokens) for the square documents (the fused kernels skip
+    the masked half), and O(tile x document) for the one straddling document.
+    """
+    gqa = q.shape[1] != k.shape[1]
+    outs: list[torch.Tensor | None] = [None] * len(meta.q_lens)
+    by_len: dict[int, list[tuple[int, int, int]]] = {}
+    for i, (q0, q_len, k0, k_len) in enumerate(meta.segments()):
+        if k_len == q_len:
+            by_len.setdefault(q_len, []).append((i, q0, k0))
+        else:
+            outs[i] = _bottom_right_causal(
+                q[:, :, q0 : q0 + q_len], k[:, :, k0 : k0 + k_len], v[:, :, k0 : k0 + k_len], scale, dropout_p, gqa
+            )
+    for n, docs in by_len.items():
+        qb = torch.cat([q[:, :, q0 : q0 + n] for _, q0, _ in docs])
+        kb = torch.cat([k[:, :, k0 : k0 + n] for _, _, k0 in docs])
+        vb = torch.cat([v[:, :, k0 : k0 + n] for _, _, k0 in docs])
+        ob = TORCH_SDPA(qb, kb, vb, is_causal=True, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
+        for j, (i, _, _) in enumerate(docs):
+            outs[i] = ob[j : j + 1]
+    return _pad_rows(torch.cat(outs, dim=2), meta.local_len)
+
+
+def _flash(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMeta, scale: float | None, dropout_p: float
+) -> torch.Tensor:
+    """FlashAttention varlen; ``causal=True`` is aligned bottom-right (flash-attn >= 2.1)."""
+    from flash_attn import flash_attn_varlen_func
+
+    out = flash_attn_varlen_func(
+        _to_thd(q[:, :, : meta.n_real]),
+        _to_thd(k),
+        _to_thd(v),
+        cu_seqlens_q=meta.cu_q,
+        cu_seqlens_k=meta.cu_k,
+        max_seqlen_q=meta.max_q,
+        max_seqlen_k=meta.max_k,
+        dropout_p=dropout_p,
+        softmax_scale=scale,
+        causal=True,
+    )
+    return _from_thd(out, q.shape[1], meta.local_len)
+
+
+_TE_MODULES: dict[tuple[Any, ...], torch.nn.Module] = {}
+
+
+def _te_module(
+    num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None, dropout_p: float, device: torch.device
+) -> torch.nn.Module:
+    """A cached TransformerEngine ``DotProductAttention`` configured for THD varlen."""
+    key = (num_heads, num_kv_heads, head_dim, scale, dropout_p, str(device))
+    module = _TE_MODULES.get(key)
+    if module is None:
+        from transformer_engine.pytorch import DotProductAttention
+
+        # bottom_right: a rank's rows are the suffix of their document's keys.
+        module = DotProductAttention(
+            num_attention_heads=num_heads,
+            kv_channels=head_dim,
+            num_gqa_groups=num_kv_heads,
+            attention_dropout=dropout_p,
+            qkv_format="thd",
+            attn_mask_type="padding_causal_bottom_right",
+            softmax_scale=scale,
+        ).to(device)
+        _TE_MODULES[key] = module
+    return module
+
+
+def _te(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMeta, scale: float | None, dropout_p: float
+) -> torch.Tensor:
+    """TransformerEngine THD attention with ``padding_causal_bottom_right``."""
+    module = _te_module(q.shape[1], k.shape[1], q.shape[3], scale, dropout_p, q.device)
+    out = module(
+        _to_thd(q[:, :, : meta.n_real]),
+        _to_thd(k),
+        _to_thd(v),
+        cu_seqlens_q=meta.cu_q,
+        cu_seqlens_kv=meta.cu_k,
+        max_seqlen_q=meta.max_q,
+        max_seqlen_kv=meta.max_k,
+    )
+    return _from_thd(out, q.shape[1], meta.local_len)
+
+
+KernelFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, VarlenMeta, "float | None", float], torch.Tensor]
+
+_HALF = frozenset({torch.float16, torch.bfloat16})
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """What a kernel needs to run.
+
+    Attributes:
+        name: Canonical ``attn_backend`` value.
+        fn: The kernel (see the module docstring for the contract).
+        device_types: Devices it runs on (``None``: any).
+        dtypes: Dtypes it accepts (``None``: any floating dtype).
+        package: Importable module it needs (``None``: only torch).
+        install_hint: How to get ``package``.
+    """
+
+    name: str
+    fn: KernelFn
+    device_types: frozenset[str] | None = None
+    dtypes: frozenset[torch.dtype] | None = None
+    package: str | None = None
+    install_hint: str = ""
+
+
+KERNELS: dict[str, KernelSpec] = {
+    "flash": KernelSpec("flash", _flash, frozenset({"cuda"}), _HALF, "flash_attn", "pip install '.[flash]'"),
+    "te": KernelSpec("te", _te, frozenset({"cuda"}), _HALF, "transformer_engine.pytorch", "pip install '.[te]'"),
+    "sdpa_varlen": KernelSpec("sdpa_varlen", _sdpa_varlen),
+    "dense": KernelSpec("dense", _dense),
+}
+
+# `auto` takes the first kernel of this list that can run (fastest first).
+AUTO_PREFERENCE: tuple[str, ...] = ("flash", "te", "sdpa_varlen")
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def kernel_unavailable_reason(name: str, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why kernel ``name`` cannot run for this dtype/device, or ``None``; launches nothing."""
+    spec = KERNELS.get(name)
+    if spec is None:
+        return f"unknown attention kernel {name!r} (known: {', '.join(KERNELS)})"
+    if spec.device_types is not None and torch.device(device).type not in spec.device_types:
+        return f"{name} needs device {'/'.join(sorted(spec.device_types))}, got {device}"
+    if spec.dtypes is not None and dtype not in spec.dtypes:
+        return f"{name} needs dtype {'/'.join(sorted(str(d) for d in spec.dtypes))}, got {dtype}"
+    if spec.package is not None and not _importable(spec.package):
+        return f"{name} needs the `{spec.package}` package ({spec.install_hint})"
+    return None
+
+
+def select_kernel(requested: str, dtype: torch.dtype, device: torch.device) -> str:
+    """Pick the concrete kernel for a call.
+
+    ``auto`` resolves to the first available kernel of :data:`AUTO_PREFERENCE`.
+    An explicitly requested kernel that cannot run here is replaced by
+    ``sdpa_varlen`` (which runs everywhere), with a one-time warning naming why.
+
+    Args:
+        requested: Canonical ``attn_backend`` (``auto`` or a kernel name).
+        dtype: Query dtype.
+        device: Query device.
+    """
+    if requested == "auto":
+        return next(n for n in AUTO_PREFERENCE if kernel_unavailable_reason(n, dtype, device) is None)
+    reason = kernel_unavailable_reason(requested, dtype, device)
+    if reason is None:
+        return requested
+    log_once(
+        logger,
+        f"kernel-downgrade:{requested}:{dtype}:{device}",
+        logging.WARNING,
+        "attn_backend=%s cannot run here (%s); using sdpa_varlen",
+        requested,
+        reason,
+    )
+    return "sdpa_varlen"
+
+
+def validate_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool, local_len: int) -> None:
+    """Reject q/k/v that the CP path cannot attend correctly, naming the field and the fix."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dim() != 4:
+            raise ValueError(f"block-diagonal attention: {name} must be [B, H, L, D], got shape {tuple(t.shape)}")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise ValueError(
+            f"block-diagonal attention: query/key/value dtypes differ ({query.dtype}, {key.dtype}, "
+            f"{value.dtype}); cast them to one dtype"
+        )
+    if not (query.device == key.device == value.device):
+        raise ValueError(
+            f"block-diagonal attention: query/key/value are on different devices ({query.device}, "
+            f"{key.device}, {value.device})"
+        )
+    if not (query.shape[3] == key.shape[3] == value.shape[3]):
+        raise ValueError(
+            f"block-diagonal attention: head dims differ (query {query.shape[3]}, key {key.shape[3]}, "
+            f"value {value.shape[3]})"
+        )
+    if not (query.shape[0] == key.shape[0] == value.shape[0] == 1):
+        raise ValueError(
+            f"block-diagonal attention: batch sizes must all be 1 (one packed row per rank), got "
+            f"{query.shape[0]}/{key.shape[0]}/{value.shape[0]}"
+        )
+    if key.shape[1] != value.shape[1]:
+        raise ValueError(f"block-diagonal attention: key has {key.shape[1]} heads but value has {value.shape[1]}")
+    if query.shape[1] % key.shape[1]:
+        raise ValueError(
+            f"block-diagonal attention: query heads ({query.shape[1]}) must be a multiple of key/value "
+            f"heads ({key.shape[1]})"
+        )
+    if query.shape[1] != key.shape[1] and not enable_gqa:
+        raise ValueError(
+            f"block-diagonal attention: {query.shape[1]} query heads vs {key.shape[1]} key/value heads "
+            "needs enable_gqa=True (or repeat K/V before the call)"
+        )
+    if not (query.shape[2] == key.shape[2] == value.shape[2] == local_len):
+        raise ValueError(
+            f"block-diagonal attention: sequence lengths {query.shape[2]}/{key.shape[2]}/{value.shape[2]} "
+            f"must equal this rank's local length {local_len}; shard the batch with "
+            "make_cp_blockdiag_batch_and_ctx"
+        )
+
+
+class _ZeroAttached(torch.autograd.Function):
+    """Zeros shaped like ``q`` whose graph still reaches ``q``, ``k`` and ``v``.
+
+    An all-padding rank launches no kernel, but its output must stay connected to
+    the exchanged K/V so the exchange's backward collective fires on every rank.
+    Unlike ``0 * x.sum()`` this cannot turn into NaN.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ctx.like = [(x.shape, x.dtype, x.device) for x in (q, k, v)]
+        return torch.zeros_like(q)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.like)
+
+
+def blockdiag_attention(
+    kernel: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: VarlenMeta,
+    scale: float | None,
+    dropout_p: float,
+) -> torch.Tensor:
+    """Run ``kernel`` on one rank's local queries and packed keys.
+
+    Args:
+        kernel: A concrete kernel name from :data:`KERNELS`.
+        q: Local queries ``[1, Hq, L, D]``.
+        k: Packed keys ``[1, Hkv, K, D]`` (``K == meta.kv_len``).
+        v: Packed values ``[1, Hkv, K, D]``.
+        meta: This rank's :class:`VarlenMeta`.
+        scale: Softmax scale (``None``: ``D ** -0.5``).
+        dropout_p: Attention dropout probability.
+
+    Returns:
+        ``[1, Hq, L, D]``; padding rows are zero.
+    """
+    if meta.n_real == 0:
+        return _ZeroAttached.apply(q, k, v)
+    return KERNELS[kernel].fn(q, k, v, meta, scale, dropout_p)

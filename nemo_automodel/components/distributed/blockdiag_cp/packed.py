@@ -1,0 +1,165 @@
+"""The ``cp_size == 1`` packed path: stock SDPA calls of a packed row run block-diagonal.
+
+For models that call ``torch.nn.functional.scaled_dot_product_attention``
+directly. Two pieces:
+
+1. :func:`attach_cp1_packed_varlen_hooks` registers a forward pre/post hook pair
+   on every attention module. While (and only while) one of those forwards runs,
+   ``F.scaled_dot_product_attention`` is :func:`packed_varlen_sdpa`; the post
+   hook (``always_call=True``) restores the previous function even when the
+   forward raises. Hooks sit on the checkpoint-wrapped inner module, so they
+   also fire during activation-checkpoint recompute.
+2. :func:`enable_cp1_packed_varlen` arms the document ids of the current row.
+   The armed state deliberately outlives the forward: backward's recompute
+   must see the same documents. Call :func:`disable_cp1_packed_varlen` before
+   the next row (or keep calling ``enable`` with the next row's ids).
+
+Any SDPA call whose shapes do not match the armed row passes straight through
+to torch's SDPA, so vision towers or unpacked attention are unaffected.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.hooks import RemovableHandle
+
+from nemo_automodel.components.distributed.blockdiag_cp import kernels
+from nemo_automodel.components.distributed.blockdiag_cp import state as state_module
+from nemo_automodel.components.distributed.blockdiag_cp.kernels import VarlenMeta
+from nemo_automodel.components.distributed.blockdiag_cp.layout import doc_runs_from_ids, rank_segments
+from nemo_automodel.components.distributed.blockdiag_cp.state import ThreadSharedSlot
+
+
+@dataclass(frozen=True)
+class PackedState:
+    """The armed packed row: its length, kernel metadata and requested kernel."""
+
+    seq_len: int
+    meta: VarlenMeta
+    backend: str
+
+
+_PACKED: ThreadSharedSlot[PackedState] = ThreadSharedSlot()
+# Functions replaced by the pre-hooks, restored by the post-hooks (nested attention modules stack).
+_SAVED_SDPA: list[Any] = []
+
+
+def enable_cp1_packed_varlen(doc_ids: torch.Tensor, backend: str | None = None) -> None:
+    """Arm block-diagonal attention for one packed row (until disabled or re-armed).
+
+    Args:
+        doc_ids: Document ids ``[S]`` or ``[1, S]`` (1-based, 0 = padding tail).
+        backend: ``attn_backend`` (any synonym; ``None``: the configured value).
+    """
+    requested = state_module.normalize_attn_backend(
+        backend if backend is not None else state_module.cp_varlen_runtime_config()["attn_backend"]
+    )
+    runs = doc_runs_from_ids(doc_ids)
+    meta = kernels.precompute_blockdiag_varlen_meta(rank_segments(runs, 0, runs.total_len), doc_ids.device)
+    _PACKED.set(PackedState(runs.total_len, meta, requested))
+
+
+def disable_cp1_packed_varlen() -> None:
+    """Disarm the packed row; SDPA calls pass through again."""
+    _PACKED.set(None)
+
+
+def cp1_packed_varlen_backend() -> str | None:
+    """The ``attn_backend`` requested for the armed row, or ``None`` when nothing is armed."""
+    armed = _PACKED.get()
+    return None if armed is None else armed.backend
+
+
+def _matches(armed: PackedState, *tensors: torch.Tensor) -> bool:
+    return all(t.dim() == 4 and t.shape[0] == 1 and t.shape[2] == armed.seq_len for t in tensors)
+
+
+def packed_varlen_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """SDPA replacement for packed rows at ``cp_size == 1``.
+
+    Args:
+        query: ``[1, Hq, S, D]`` over the whole armed row.
+        key: ``[1, Hkv, S, D]``.
+        value: ``[1, Hkv, S, D]``.
+        attn_mask: Ignored for the armed row (masking comes from the document ids).
+        dropout_p: Attention dropout probability.
+        is_causal: Ignored for the armed row (always per-document causal).
+        scale: Softmax scale (``None``: ``D ** -0.5``).
+        enable_gqa: As for stock SDPA.
+        **kwargs: Forwarded to stock SDPA on pass-through.
+
+    Returns:
+        ``[1, Hq, S, D]``; padding rows are zero.
+    """
+    armed = _PACKED.get()
+    if armed is None or not _matches(armed, query, key, value):
+        return kernels.TORCH_SDPA(
+            query,
+            key,
+            value,
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+            **kwargs,
+        )
+    kernels.validate_qkv(query, key, value, enable_gqa, armed.seq_len)
+    kernel = kernels.select_kernel(armed.backend, query.dtype, query.device)
+    kv_len = armed.meta.kv_len
+    return kernels.blockdiag_attention(
+        kernel, query, key[:, :, :kv_len], value[:, :, :kv_len], armed.meta, scale, dropout_p
+    )
+
+
+def _install(*_: Any) -> None:
+    _SAVED_SDPA.append(F.scaled_dot_product_attention)
+    F.scaled_dot_product_attention = packed_varlen_sdpa
+
+
+def _restore(*_: Any) -> None:
+    F.scaled_dot_product_attention = _SAVED_SDPA.pop()
+
+
+def attach_cp1_packed_varlen_hooks(
+    model: torch.nn.Module, *, attention_suffix: str = "self_attn"
+) -> list[RemovableHandle]:
+    """Scope :func:`packed_varlen_sdpa` to the forwards of the model's attention modules.
+
+    Args:
+        model: A model whose attention modules call ``F.scaled_dot_product_attention``.
+        attention_suffix: Attention modules are those whose qualified name ends with this.
+
+    Returns:
+        The hook handles (call ``.remove()`` on each to detach).
+
+    Raises:
+        ValueError: when no module name ends with ``attention_suffix``.
+    """
+    handles: list[RemovableHandle] = []
+    for name, module in model.named_modules():
+        if name.endswith(attention_suffix):
+            # CheckpointWrapper's recompute calls the inner module directly: hook that one.
+            target = getattr(module, "_checkpoint_wrapped_module", module)
+            handles.append(target.register_forward_pre_hook(_install))
+            handles.append(target.register_forward_hook(_restore, always_call=True))
+    if not handles:
+        raise ValueError(
+            f"attach_cp1_packed_varlen_hooks: no module name ends with {attention_suffix!r}; pass the "
+            "suffix of the model's attention modules as attention_suffix="
+        )
+    return handles

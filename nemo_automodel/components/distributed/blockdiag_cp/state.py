@@ -1,0 +1,253 @@
+"""Runtime knobs, the typed per-step CP state, and its thread-shared slot.
+
+The knob tables live here, in a dependency-free leaf module, so the runtime,
+the batch builder and the recipe's config schema all derive the accepted values
+(and their synonyms) from one place and can never disagree.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import torch
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from nemo_automodel.components.distributed.blockdiag_cp.exchange import KVPlan
+    from nemo_automodel.components.distributed.blockdiag_cp.kernels import VarlenMeta
+    from nemo_automodel.components.distributed.blockdiag_cp.layout import DocRuns, RankSegments
+
+# Canonical value -> accepted spellings (the canonical value is one of them).
+ATTN_BACKEND_SYNONYMS: dict[str, tuple[str, ...]] = {
+    "auto": ("auto",),
+    "flash": ("flash", "flash_attn", "flash_attention", "flash_attention_2", "fa", "fa2", "flash_varlen"),
+    "te": ("te", "transformer_engine", "transformerengine", "te_thd"),
+    "sdpa_varlen": ("sdpa_varlen", "varlen", "cpu_varlen", "per_doc", "sdpa_per_doc"),
+    "dense": ("dense", "sdpa", "torch_sdpa", "masked_sdpa"),
+}
+KV_EXCHANGE_SYNONYMS: dict[str, tuple[str, ...]] = {
+    "allgather": ("allgather", "all_gather", "ag"),
+    "halo": ("halo", "neighbor", "neighbour", "needed", "needed_only", "p2p"),
+    "a2a": ("a2a", "a2av", "all_to_all", "alltoall", "all_to_all_v", "needed_a2a"),
+}
+
+# `auto` resolves per call to the fastest kernel available for the dtype/device
+# at hand (flash > te > sdpa_varlen). `halo` is needed-only and upgrades itself
+# to `a2a` when a document spans more than two ranks.
+ATTN_BACKEND_DEFAULT = "auto"
+KV_EXCHANGE_DEFAULT = "halo"
+
+ATTN_BACKEND_VALUES: tuple[str, ...] = tuple(ATTN_BACKEND_SYNONYMS)
+KV_EXCHANGE_VALUES: tuple[str, ...] = tuple(KV_EXCHANGE_SYNONYMS)
+
+_DEFAULT_SPELLINGS = ("", "default", "none")
+
+
+def _normalize(value: Any, field_name: str, synonyms: Mapping[str, tuple[str, ...]], default: str) -> str:
+    """Map a user-facing knob value onto its canonical spelling.
+
+    Raises:
+        ValueError: naming the field, the bad value and every accepted value.
+    """
+    if value is None:
+        return default
+    cleaned = str(value).strip().lower().replace("-", "_")
+    if cleaned in _DEFAULT_SPELLINGS:
+        return default
+    for canonical, spellings in synonyms.items():
+        if cleaned in spellings:
+            return canonical
+    accepted = "; ".join(
+        f"{canon} ({', '.join(s for s in spellings if s != canon) or 'no synonyms'})"
+        for canon, spellings in synonyms.items()
+    )
+    raise ValueError(
+        f"Unknown {field_name} {value!r}. Valid values: {', '.join(synonyms)} "
+        f"(synonyms: {accepted}); None, '' and 'default' select {default!r}."
+    )
+
+
+def normalize_attn_backend(value: Any) -> str:
+    """Canonicalize an ``attn_backend`` knob to one of :data:`ATTN_BACKEND_VALUES`."""
+    return _normalize(value, "attn_backend", ATTN_BACKEND_SYNONYMS, ATTN_BACKEND_DEFAULT)
+
+
+def normalize_kv_exchange(value: Any) -> str:
+    """Canonicalize a ``kv_exchange`` knob to one of :data:`KV_EXCHANGE_VALUES`."""
+    return _normalize(value, "kv_exchange", KV_EXCHANGE_SYNONYMS, KV_EXCHANGE_DEFAULT)
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Process-wide defaults, used when a step state carries no snapshot."""
+
+    attn_backend: str = ATTN_BACKEND_DEFAULT
+    kv_exchange: str = KV_EXCHANGE_DEFAULT
+
+
+_RUNTIME_CONFIG = RuntimeConfig()
+
+
+def configure_cp_varlen(*, attn_backend: str | None = None, kv_exchange: str | None = None) -> None:
+    """Set the process-wide block-diagonal CP defaults.
+
+    Both values are validated before anything changes, so a bad value leaves
+    the previous configuration in place.
+
+    Args:
+        attn_backend: Kernel name or synonym (``None``/``""``/``"default"`` -> ``auto``).
+        kv_exchange: Exchange name or synonym (``None``/``""``/``"default"`` -> ``halo``).
+    """
+    global _RUNTIME_CONFIG
+    _RUNTIME_CONFIG = RuntimeConfig(normalize_attn_backend(attn_backend), normalize_kv_exchange(kv_exchange))
+
+
+def cp_varlen_runtime_config() -> dict[str, str]:
+    """Return the configured ``{"attn_backend": ..., "kv_exchange": ...}`` (canonical)."""
+    return {"attn_backend": _RUNTIME_CONFIG.attn_backend, "kv_exchange": _RUNTIME_CONFIG.kv_exchange}
+
+
+@dataclass
+class StepCache:
+    """Values computed lazily during one step and reused by every layer and by recompute.
+
+    Attributes:
+        kv_plan: The replicated exchange plan (set on the first needed-only call).
+        preflight: ``(backend, dtype, device, query_len, key_len) -> (ok, reason)``.
+        path: The ``(path, reason)`` chosen by the first attention call of the step.
+    """
+
+    kv_plan: KVPlan | None = None
+    preflight: dict[tuple[str, str, str, int, int], tuple[bool, str | None]] = field(default_factory=dict)
+    path: tuple[str, str] | None = None
+
+
+@dataclass
+class StepState:
+    """Everything one training step's CP attention calls need, fixed at batch-build time.
+
+    Public, model-facing fields: ``doc_ids``, ``packed_cu_seqlens``,
+    ``packed_cu_seqlens_cpu``, ``row_offset``, ``local_len``, ``cp_rank``,
+    ``cp_size`` and ``group``.
+
+    Attributes:
+        group: The CP process group (``None`` only when ``cp_size == 1``).
+        cp_rank: This rank's index in the CP group.
+        cp_size: Number of CP ranks.
+        doc_ids: Replicated per-position document ids ``[B, S_full]`` (0 == pad).
+        row_offset: Global position of this rank's first local row.
+        local_len: Local rows per rank ``L = S_full / cp_size``.
+        runs: Host-side document runs of the packed row (shared by all ranks).
+        segments: This rank's local document segments and needed K/V ranges.
+        varlen_meta: This rank's kernel metadata (cu_seqlens etc.).
+        packed_cu_seqlens: Global boundaries of the padded sequence ``[n_runs + 1]`` (device).
+        packed_cu_seqlens_cpu: The same boundaries on the host.
+        attn_backend: Snapshot of the kernel knob (``None`` -> module config).
+        kv_exchange: Snapshot of the exchange knob (``None`` -> module config).
+        cache: Per-step memo (plan, preflight results).
+    """
+
+    group: dist.ProcessGroup | None
+    cp_rank: int
+    cp_size: int
+    doc_ids: torch.Tensor
+    row_offset: int
+    local_len: int
+    runs: DocRuns
+    segments: RankSegments
+    varlen_meta: VarlenMeta | None
+    packed_cu_seqlens: torch.Tensor
+    packed_cu_seqlens_cpu: torch.Tensor
+    attn_backend: str | None = None
+    kv_exchange: str | None = None
+    cache: StepCache = field(default_factory=StepCache)
+
+
+T = TypeVar("T")
+
+
+class ThreadSharedSlot(Generic[T]):
+    """A ``ContextVar``-like get/set/reset holder that every thread sees.
+
+    Activation-checkpoint recompute runs layer forwards inside autograd's worker
+    thread during backward. A real ``ContextVar`` reads its default there, which
+    would silently turn CP attention into local-only attention mid-recompute.
+    Training steps are sequential, so one shared slot with token-based restore
+    (which supports nesting) is safe; backward only reads it.
+    """
+
+    def __init__(self) -> None:
+        self._value: T | None = None
+
+    def get(self) -> T | None:
+        """Return the current value (``None`` when unset)."""
+        return self._value
+
+    def set(self, value: T | None) -> T | None:
+        """Install ``value``; return the previous value as the token for :meth:`reset`."""
+        token, self._value = self._value, value
+        return token
+
+    def reset(self, token: T | None) -> None:
+        """Restore the value that :meth:`set` returned as ``token``."""
+        self._value = token
+
+
+_STEP_STATE: ThreadSharedSlot[StepState] = ThreadSharedSlot()
+
+
+def current_step_state() -> StepState | None:
+    """Return the active per-step CP state, or ``None`` outside a step context."""
+    return _STEP_STATE.get()
+
+
+def current_blockdiag_cp_state() -> StepState | None:
+    """Model-facing view of the active step (see :class:`StepState` for the public fields).
+
+    Models with their own sequence mixers (e.g. recurrent layers) read the global
+    packed boundaries ``packed_cu_seqlens`` / ``packed_cu_seqlens_cpu`` and the
+    contiguous layout (``row_offset``, ``local_len``) from here.
+    """
+    return _STEP_STATE.get()
+
+
+class _FireCounter:
+    """Counts CP attention calls so a recipe can fail loudly when CP never engaged."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+
+    def increment(self) -> None:
+        with self._lock:
+            self._count += 1
+
+    def reset(self) -> None:
+        with self._lock:
+            self._count = 0
+
+    @property
+    def value(self) -> int:
+        return self._count
+
+
+_FIRE_COUNTER = _FireCounter()
+
+
+def cp_attn_fire_count() -> int:
+    """Number of CP attention calls (forward and recompute) since the last reset."""
+    return _FIRE_COUNTER.value
+
+
+def reset_cp_attn_fire_count() -> None:
+    """Zero the CP attention fire counter."""
+    _FIRE_COUNTER.reset()
+
+
+def record_cp_attn_call() -> None:
+    """Count one CP attention call (called by the runtime)."""
+    _FIRE_COUNTER.increment()

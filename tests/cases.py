@@ -1,0 +1,180 @@
+"""Packed layouts, the per-rank attention worker, and independent expectations for parity tests."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from nemo_automodel.components.distributed.blockdiag_cp import (
+    cp_blockdiag_sdpa,
+    exchange_stats,
+    make_cp_blockdiag_batch_and_ctx,
+)
+from nemo_automodel.components.distributed.blockdiag_cp import kernels
+from tests.reference import doc_ids_from_lengths, reference_attention
+
+FAKES = Path(__file__).parent / "fakes"
+LOCAL = 16  # local rows per rank in the standard layouts
+
+
+def use_fake_kernels() -> None:
+    """Put the flash-attn / TransformerEngine stand-ins on the path and let them run on CPU in any dtype."""
+    if str(FAKES) not in sys.path:
+        sys.path.insert(0, str(FAKES))
+    for name in ("flash", "te"):
+        kernels.KERNELS[name] = replace(kernels.KERNELS[name], device_types=None, dtypes=None)
+
+
+def _fill(pattern: list[int], total: int) -> list[int]:
+    """Repeat ``pattern`` lengths until they cover exactly ``total`` tokens."""
+    out: list[int] = []
+    i = 0
+    while sum(out) < total:
+        out.append(min(pattern[i % len(pattern)], total - sum(out)))
+        i += 1
+    return out
+
+
+def layout(name: str, cp: int) -> torch.Tensor:
+    """Document ids ``[1, S]`` (S before CP padding) of a named layout family."""
+    total = LOCAL * cp
+    if name == "straddle":  # documents cross rank boundaries, none spans more than two ranks
+        return doc_ids_from_lengths(_fill([11, 9, 14, 7], total), total)
+    if name == "spans_many":  # one document over more than two ranks (two ranks at cp=2)
+        first = LOCAL * cp // 2 + 5 if cp == 2 else int(LOCAL * 2.5)
+        return doc_ids_from_lengths([first, *_fill([5, 12], total - first)], total)
+    if name == "single_doc":
+        return doc_ids_from_lengths([total], total)
+    if name == "tiny_docs":
+        return doc_ids_from_lengths(_fill([1, 2, 3, 1, 4], total), total)
+    if name == "pad_rank":  # the last rank holds only padding
+        real = LOCAL * (cp - 1) - 3
+        return doc_ids_from_lengths([LOCAL + 1, real - LOCAL - 1], total)
+    if name == "pad_tail":  # an odd length with an explicit padding tail; the builder pads further
+        real = total - 9
+        return doc_ids_from_lengths(_fill([13, 6], real), total - 3)
+    raise KeyError(name)
+
+
+LAYOUTS = ("straddle", "spans_many", "single_doc", "tiny_docs", "pad_rank", "pad_tail")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One CP attention call to check against the reference."""
+
+    doc_ids: torch.Tensor
+    backend: str
+    kv_exchange: str
+    heads: tuple[int, int]  # (Hq, Hkv)
+    seed: int = 0
+    head_dim: int = 8
+    scale: float | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.kv_exchange}/{self.backend}/Hq{self.heads[0]}-Hkv{self.heads[1]}"
+
+
+def full_inputs(case: Case, padded_len: int) -> dict[str, torch.Tensor]:
+    """Deterministic full-row q/k/v and output gradient (float64) for ``case``."""
+    gen = torch.Generator().manual_seed(case.seed)
+    hq, hkv = case.heads
+    shapes = {"q": (1, hq, padded_len, case.head_dim), "k": (1, hkv, padded_len, case.head_dim),
+              "v": (1, hkv, padded_len, case.head_dim), "gout": (1, hq, padded_len, case.head_dim)}
+    return {n: torch.randn(s, generator=gen, dtype=torch.float64) for n, s in shapes.items()}
+
+
+def cp_mesh():
+    """The 1-D CP mesh over the whole (gloo) world."""
+    return init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
+
+
+def attend_cases(cases: list[Case], fakes: bool = False) -> list[dict[str, Any]]:
+    """Worker: run each case's forward and backward on this rank; return local outputs and grads."""
+    if fakes:
+        use_fake_kernels()
+    mesh = cp_mesh()
+    return [_attend_one(mesh, c) for c in cases]
+
+
+def _attend_one(mesh: Any, case: Case) -> dict[str, Any]:
+    seq = case.doc_ids.shape[1]
+    batch = {"input_ids": torch.zeros(1, seq, dtype=torch.long), "_packed_seq_ids": case.doc_ids}
+    ctx, _, shard = make_cp_blockdiag_batch_and_ctx(mesh, None, batch, attn_backend=case.backend,
+                                                    kv_exchange=case.kv_exchange)
+    rows = slice(shard.row_offset, shard.row_offset + shard.local_len)
+    full = full_inputs(case, shard.padded_seq_len)
+    q, k, v = (full[n][:, :, rows].clone().requires_grad_() for n in ("q", "k", "v"))
+    with ctx():
+        out = cp_blockdiag_sdpa(q, k, v, scale=case.scale, enable_gqa=case.heads[0] != case.heads[1])
+        (out * full["gout"][:, :, rows]).sum().backward()
+    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, "stats": exchange_stats(),
+            "padded_len": shard.padded_seq_len}
+
+
+def reference_for(case: Case, padded_len: int) -> dict[str, torch.Tensor]:
+    """Full-row float64 reference output and gradients for ``case``."""
+    full = full_inputs(case, padded_len)
+    q, k, v = (full[n].clone().requires_grad_() for n in ("q", "k", "v"))
+    ids = torch.nn.functional.pad(case.doc_ids, (0, padded_len - case.doc_ids.shape[1]))
+    out = reference_attention(q, k, v, ids, scale=case.scale)
+    (out * full["gout"]).sum().backward()
+    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def expected_received(doc_ids: torch.Tensor, cp: int, padded_len: int) -> list[int]:
+    """Brute-force lower bound per rank, straight from the definition in the metrics notes."""
+    ids = torch.nn.functional.pad(doc_ids, (0, padded_len - doc_ids.shape[1])).reshape(-1).tolist()
+    local = padded_len // cp
+    first = {}
+    for pos, d in enumerate(ids):
+        first.setdefault(d, pos)
+    bounds = []
+    for r in range(cp):
+        needed: set[int] = set()
+        for p in range(r * local, (r + 1) * local):
+            if ids[p]:
+                needed.update(range(first[ids[p]], p + 1))
+        bounds.append(sum(1 for x in needed if not r * local <= x < (r + 1) * local))
+    return bounds
+
+
+def spans_more_than_two_ranks(doc_ids: torch.Tensor, cp: int, padded_len: int) -> bool:
+    """Whether any document touches more than two ranks."""
+    ids = torch.nn.functional.pad(doc_ids, (0, padded_len - doc_ids.shape[1])).reshape(-1).tolist()
+    local = padded_len // cp
+    owners: dict[int, set[int]] = {}
+    for pos, d in enumerate(ids):
+        if d:
+            owners.setdefault(d, set()).add(pos // local)
+    return any(len(o) > 2 for o in owners.values())
+
+
+def compare(case: Case, results: list[dict[str, Any]], cp: int, tol: float = 1e-10) -> list[str]:
+    """Problems of one case's CP results against the reference (empty when all match)."""
+    padded = results[0]["padded_len"]
+    ref = reference_for(case, padded)
+    problems = []
+    for name in ("out", "dq", "dk", "dv"):
+        got = torch.cat([r[name] for r in results], dim=2)
+        err = (got - ref[name]).abs().max().item()
+        if not err <= tol:
+            problems.append(f"{case.label}: {name} max error {err:.3g}")
+    want_path = case.kv_exchange
+    if want_path == "halo" and spans_more_than_two_ranks(case.doc_ids, cp, padded):
+        want_path = "a2a"
+    paths = {r["stats"]["path"] for r in results}
+    if paths != {want_path}:
+        problems.append(f"{case.label}: paths {paths}, expected {want_path}")
+    received = [r["stats"]["kv_tokens_received"] for r in results]
+    want = [padded - padded // cp] * cp if want_path == "allgather" else expected_received(case.doc_ids, cp, padded)
+    if received != want:
+        problems.append(f"{case.label}: received {received}, expected {want}")
+    return problems

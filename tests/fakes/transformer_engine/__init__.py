@@ -1,0 +1,1 @@
+"""Stand-in for TransformerEngine (only ``transformer_engine.pytorch.DotProductAttention``)."""
