@@ -22,7 +22,7 @@ from nemo_automodel.components.distributed.blockdiag_cp.packed import (
     enable_cp1_packed_varlen,
     packed_varlen_sdpa,
 )
-from nemo_automodel.components.distributed.blockdiag_cp.runtime import cp_blockdiag_sdpa, exchange_stats
+from nemo_automodel.components.distributed.blockdiag_cp.runtime import cp_blockdiag_sdpa, exchange_stats, patch_sdpa
 from nemo_automodel.components.distributed.blockdiag_cp.state import (
     configure_cp_varlen,
     cp_attn_fire_count,
@@ -45,5 +45,6 @@ __all__ = [
     "exchange_stats",
     "make_cp_blockdiag_batch_and_ctx",
     "packed_varlen_sdpa",
+    "patch_sdpa",
     "reset_cp_attn_fire_count",
 ]

@@ -13,9 +13,10 @@ names its reason; and a kernel failure on one rank makes *every* rank raise.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -352,3 +353,21 @@ def cp_blockdiag_sdpa(
     bytes_per_token = kv.shape[1] * kv.shape[3] * kv.element_size()
     _LAST_STATS = ExchangeStats(path, reason, kernel, received, received * bytes_per_token)
     return out
+
+
+@contextlib.contextmanager
+def patch_sdpa() -> Iterator[None]:
+    """Route ``torch.nn.functional.scaled_dot_product_attention`` through :func:`cp_blockdiag_sdpa` while active.
+
+    For models that call stock SDPA directly. Enter it together with the step
+    context and keep both open through backward (activation-checkpoint
+    recompute calls SDPA again). Outside a step state the patched function is
+    stock SDPA, so other attention in the process is unaffected; the previous
+    function is restored on exit, also on exceptions.
+    """
+    previous = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = cp_blockdiag_sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = previous
