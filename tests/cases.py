@@ -14,9 +14,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from nemo_automodel.components.distributed.blockdiag_cp import (
     cp_blockdiag_sdpa,
     exchange_stats,
+    kernels,
     make_cp_blockdiag_batch_and_ctx,
 )
-from nemo_automodel.components.distributed.blockdiag_cp import kernels
 from tests.reference import doc_ids_from_lengths, reference_attention
 
 FAKES = Path(__file__).parent / "fakes"
@@ -86,8 +86,12 @@ def full_inputs(case: Case, padded_len: int) -> dict[str, torch.Tensor]:
     """Deterministic full-row q/k/v and output gradient (float64) for ``case``."""
     gen = torch.Generator().manual_seed(case.seed)
     hq, hkv = case.heads
-    shapes = {"q": (1, hq, padded_len, case.head_dim), "k": (1, hkv, padded_len, case.head_dim),
-              "v": (1, hkv, padded_len, case.head_dim), "gout": (1, hq, padded_len, case.head_dim)}
+    shapes = {
+        "q": (1, hq, padded_len, case.head_dim),
+        "k": (1, hkv, padded_len, case.head_dim),
+        "v": (1, hkv, padded_len, case.head_dim),
+        "gout": (1, hq, padded_len, case.head_dim),
+    }
     return {n: torch.randn(s, generator=gen, dtype=torch.float64) for n, s in shapes.items()}
 
 
@@ -107,16 +111,23 @@ def attend_cases(cases: list[Case], fakes: bool = False) -> list[dict[str, Any]]
 def _attend_one(mesh: Any, case: Case) -> dict[str, Any]:
     seq = case.doc_ids.shape[1]
     batch = {"input_ids": torch.zeros(1, seq, dtype=torch.long), "_packed_seq_ids": case.doc_ids}
-    ctx, _, shard = make_cp_blockdiag_batch_and_ctx(mesh, None, batch, attn_backend=case.backend,
-                                                    kv_exchange=case.kv_exchange)
+    ctx, _, shard = make_cp_blockdiag_batch_and_ctx(
+        mesh, None, batch, attn_backend=case.backend, kv_exchange=case.kv_exchange
+    )
     rows = slice(shard.row_offset, shard.row_offset + shard.local_len)
     full = full_inputs(case, shard.padded_seq_len)
     q, k, v = (full[n][:, :, rows].clone().requires_grad_() for n in ("q", "k", "v"))
     with ctx():
         out = cp_blockdiag_sdpa(q, k, v, scale=case.scale, enable_gqa=case.heads[0] != case.heads[1])
         (out * full["gout"][:, :, rows]).sum().backward()
-    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, "stats": exchange_stats(),
-            "padded_len": shard.padded_seq_len}
+    return {
+        "out": out.detach(),
+        "dq": q.grad,
+        "dk": k.grad,
+        "dv": v.grad,
+        "stats": exchange_stats(),
+        "padded_len": shard.padded_seq_len,
+    }
 
 
 def reference_for(case: Case, padded_len: int) -> dict[str, torch.Tensor]:

@@ -9,6 +9,7 @@ the pool is killed and :class:`HangError` fails the test. A hang is never a skip
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import queue
@@ -62,8 +63,13 @@ def _worker(rank: int, world: int, port: int, tasks: Any, results: Any, pg_timeo
 
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}",
-                            timeout=timedelta(seconds=pg_timeout_s))
+    dist.init_process_group(
+        "gloo",
+        rank=rank,
+        world_size=world,
+        init_method=f"tcp://127.0.0.1:{port}",
+        timeout=timedelta(seconds=pg_timeout_s),
+    )
     results.put(("ready", rank, None))
     while True:
         task = tasks.get()
@@ -94,8 +100,7 @@ class DistPool:
         self._results = ctx.Queue()
         port = _free_port()
         self._procs = [
-            ctx.Process(target=_worker, args=(r, world, port, self._tasks[r], self._results, pg_timeout_s),
-                        daemon=True)
+            ctx.Process(target=_worker, args=(r, world, port, self._tasks[r], self._results, pg_timeout_s), daemon=True)
             for r in range(world)
         ]
         for p in self._procs:
@@ -146,10 +151,8 @@ class DistPool:
 
     def close(self) -> None:
         for q in self._tasks:
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 q.put(None)
-            except (OSError, ValueError):
-                pass
         for p in self._procs:
             p.join(timeout=5)
             if p.is_alive():

@@ -12,8 +12,9 @@ def blockdiag_allowed(doc_ids: torch.Tensor) -> torch.Tensor:
     return (ids[:, None] == ids[None, :]) & (pos[None, :] <= pos[:, None]) & (ids[:, None] > 0)
 
 
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor,
-                        scale: float | None = None) -> torch.Tensor:
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
     """Explicit-softmax attention over the full row ``q [1, Hq, S, D]``, ``k/v [1, Hkv, S, D]``.
 
     Rows of padding (doc id 0) are zero, as in every CP kernel.
@@ -33,6 +34,6 @@ def doc_ids_from_lengths(lengths: list[int], total: int) -> torch.Tensor:
     ids = torch.zeros(total, dtype=torch.long)
     pos = 0
     for i, n in enumerate(lengths):
-        ids[pos:pos + n] = i + 1
+        ids[pos : pos + n] = i + 1
         pos += n
     return ids[None]

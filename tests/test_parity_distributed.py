@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -27,8 +26,10 @@ def _check(pools, cp: int, cases: list[Case], fakes: bool = False) -> None:
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_every_exchange_and_cpu_kernel_matches_reference(pools, cp, name):
     ids = layout(name, cp)
-    cases = [Case(ids, backend, ex, heads, seed=cp * 100 + i)
-             for i, (ex, backend, heads) in enumerate(itertools.product(EXCHANGES, CPU_KERNELS, HEADS))]
+    cases = [
+        Case(ids, backend, ex, heads, seed=cp * 100 + i)
+        for i, (ex, backend, heads) in enumerate(itertools.product(EXCHANGES, CPU_KERNELS, HEADS))
+    ]
     _check(pools, cp, cases)
 
 
@@ -36,8 +37,10 @@ def test_every_exchange_and_cpu_kernel_matches_reference(pools, cp, name):
 @pytest.mark.parametrize("backend", ["flash", "te"])
 def test_flash_and_te_call_contracts_match_reference(pools, cp, backend):
     """The stand-ins implement the real call contracts; a wrong mask alignment or cu_seqlens fails here."""
-    cases = [Case(layout(name, cp), backend, ex, (4, 2), seed=i)
-             for i, (name, ex) in enumerate(itertools.product(LAYOUTS, EXCHANGES))]
+    cases = [
+        Case(layout(name, cp), backend, ex, (4, 2), seed=i)
+        for i, (name, ex) in enumerate(itertools.product(LAYOUTS, EXCHANGES))
+    ]
     _check(pools, cp, cases, fakes=True)
 
 

@@ -9,8 +9,17 @@ _MASKS = {"padding_causal_bottom_right": True, "padding_causal": False}
 
 
 class DotProductAttention(torch.nn.Module):
-    def __init__(self, num_attention_heads, kv_channels, num_gqa_groups=None, attention_dropout=0.0,
-                 qkv_format="sbhd", attn_mask_type="causal", softmax_scale=None, **kwargs):
+    def __init__(
+        self,
+        num_attention_heads,
+        kv_channels,
+        num_gqa_groups=None,
+        attention_dropout=0.0,
+        qkv_format="sbhd",
+        attn_mask_type="causal",
+        softmax_scale=None,
+        **kwargs,
+    ):
         super().__init__()
         if qkv_format != "thd":
             raise ValueError("the stand-in implements qkv_format='thd' only")
@@ -22,10 +31,30 @@ class DotProductAttention(torch.nn.Module):
         self.gqa_groups = num_gqa_groups or num_attention_heads
         self.mask_type, self.scale = attn_mask_type, softmax_scale
 
-    def forward(self, query_layer, key_layer, value_layer, attention_mask=None, qkv_format=None,
-                cu_seqlens_q=None, cu_seqlens_kv=None, max_seqlen_q=None, max_seqlen_kv=None, **kwargs):
+    def forward(
+        self,
+        query_layer,
+        key_layer,
+        value_layer,
+        attention_mask=None,
+        qkv_format=None,
+        cu_seqlens_q=None,
+        cu_seqlens_kv=None,
+        max_seqlen_q=None,
+        max_seqlen_kv=None,
+        **kwargs,
+    ):
         if query_layer.shape[1:] != (self.heads, self.head_dim) or key_layer.shape[1] != self.gqa_groups:
             raise ValueError("tensor heads/dims do not match the module configuration")
-        out = varlen_attention(query_layer, key_layer, value_layer, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
-                               max_seqlen_kv, self.scale, bottom_right=_MASKS[self.mask_type])
+        out = varlen_attention(
+            query_layer,
+            key_layer,
+            value_layer,
+            cu_seqlens_q,
+            cu_seqlens_kv,
+            max_seqlen_q,
+            max_seqlen_kv,
+            self.scale,
+            bottom_right=_MASKS[self.mask_type],
+        )
         return out.reshape(out.shape[0], -1)  # TE returns [tokens, heads * dim]
