@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from nemo_automodel.components.distributed.blockdiag_cp import (
+    configure_cp_varlen,
     cp_blockdiag_sdpa,
     exchange_stats,
     kernels,
@@ -76,14 +77,19 @@ class Case:
     seed: int = 0
     head_dim: int = 8
     scale: float | None = None
+    layout: str = "contiguous"
+    overlap: bool = True
 
     @property
     def label(self) -> str:
-        return f"{self.kv_exchange}/{self.backend}/Hq{self.heads[0]}-Hkv{self.heads[1]}"
+        return (
+            f"{self.layout}/{self.kv_exchange}/{self.backend}/Hq{self.heads[0]}-Hkv{self.heads[1]}"
+            f"{'' if self.overlap else '/no-overlap'}"
+        )
 
 
 def full_inputs(case: Case, padded_len: int) -> dict[str, torch.Tensor]:
-    """Deterministic full-row q/k/v and output gradient (float64) for ``case``."""
+    """Deterministic full-row q/k/v and output gradient (float64) for ``case``, in original order."""
     gen = torch.Generator().manual_seed(case.seed)
     hq, hkv = case.heads
     shapes = {
@@ -111,15 +117,18 @@ def attend_cases(cases: list[Case], fakes: bool = False) -> list[dict[str, Any]]
 def _attend_one(mesh: Any, case: Case) -> dict[str, Any]:
     seq = case.doc_ids.shape[1]
     batch = {"input_ids": torch.zeros(1, seq, dtype=torch.long), "_packed_seq_ids": case.doc_ids}
-    ctx, _, shard = make_cp_blockdiag_batch_and_ctx(
-        mesh, None, batch, attn_backend=case.backend, kv_exchange=case.kv_exchange
-    )
-    rows = slice(shard.row_offset, shard.row_offset + shard.local_len)
+    configure_cp_varlen(overlap=case.overlap)
+    try:
+        ctx, _, shard = make_cp_blockdiag_batch_and_ctx(
+            mesh, None, batch, attn_backend=case.backend, kv_exchange=case.kv_exchange, layout=case.layout
+        )
+    finally:
+        configure_cp_varlen()
     full = full_inputs(case, shard.padded_seq_len)
-    q, k, v = (full[n][:, :, rows].clone().requires_grad_() for n in ("q", "k", "v"))
+    q, k, v = (full[n].index_select(2, shard.positions).requires_grad_() for n in ("q", "k", "v"))
     with ctx():
         out = cp_blockdiag_sdpa(q, k, v, scale=case.scale, enable_gqa=case.heads[0] != case.heads[1])
-        (out * full["gout"][:, :, rows]).sum().backward()
+        (out * full["gout"].index_select(2, shard.positions)).sum().backward()
     return {
         "out": out.detach(),
         "dq": q.grad,
@@ -127,6 +136,7 @@ def _attend_one(mesh: Any, case: Case) -> dict[str, Any]:
         "dv": v.grad,
         "stats": exchange_stats(),
         "padded_len": shard.padded_seq_len,
+        "positions": shard.positions,
     }
 
 
@@ -140,52 +150,48 @@ def reference_for(case: Case, padded_len: int) -> dict[str, torch.Tensor]:
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
-def expected_received(doc_ids: torch.Tensor, cp: int, padded_len: int) -> list[int]:
-    """Brute-force lower bound per rank, straight from the definition in the metrics notes."""
+def expected_exchange(doc_ids: torch.Tensor, positions: list[list[int]], kv_exchange: str) -> tuple[str, list[int]]:
+    """Brute-force path and per-rank received tokens, straight from the definitions in the metrics notes.
+
+    ``positions[r]`` are the original positions of rank ``r``'s rows. A rank needs,
+    for every real local query, the keys of its document up to that query; the
+    lower bound counts those living on other ranks.
+    """
+    padded_len = sum(len(p) for p in positions)
     ids = torch.nn.functional.pad(doc_ids, (0, padded_len - doc_ids.shape[1])).reshape(-1).tolist()
-    local = padded_len // cp
-    first = {}
+    owner = {pos: r for r, rows in enumerate(positions) for pos in rows}
+    first: dict[int, int] = {}
     for pos, d in enumerate(ids):
         first.setdefault(d, pos)
-    bounds = []
-    for r in range(cp):
-        needed: set[int] = set()
-        for p in range(r * local, (r + 1) * local):
-            if ids[p]:
-                needed.update(range(first[ids[p]], p + 1))
-        bounds.append(sum(1 for x in needed if not r * local <= x < (r + 1) * local))
-    return bounds
-
-
-def spans_more_than_two_ranks(doc_ids: torch.Tensor, cp: int, padded_len: int) -> bool:
-    """Whether any document touches more than two ranks."""
-    ids = torch.nn.functional.pad(doc_ids, (0, padded_len - doc_ids.shape[1])).reshape(-1).tolist()
-    local = padded_len // cp
-    owners: dict[int, set[int]] = {}
-    for pos, d in enumerate(ids):
-        if d:
-            owners.setdefault(d, set()).add(pos // local)
-    return any(len(o) > 2 for o in owners.values())
+    received, sources = [], []
+    for r, rows in enumerate(positions):
+        needed = {k for p in rows if ids[p] for k in range(first[ids[p]], p + 1)}
+        remote = {k for k in needed if owner[k] != r}
+        received.append(len(remote))
+        sources.append({owner[k] for k in remote})
+    if kv_exchange == "allgather":
+        return "allgather", [padded_len - len(positions[0])] * len(positions)
+    halo_ok = all(src <= {r - 1} for r, src in enumerate(sources))
+    return ("halo" if kv_exchange == "halo" and halo_ok else "a2a"), received
 
 
 def compare(case: Case, results: list[dict[str, Any]], cp: int, tol: float = 1e-10) -> list[str]:
     """Problems of one case's CP results against the reference (empty when all match)."""
     padded = results[0]["padded_len"]
     ref = reference_for(case, padded)
+    positions = [r["positions"].tolist() for r in results]
+    order = torch.tensor([p for rows in positions for p in rows])
     problems = []
     for name in ("out", "dq", "dk", "dv"):
         got = torch.cat([r[name] for r in results], dim=2)
-        err = (got - ref[name]).abs().max().item()
+        err = (got - ref[name].index_select(2, order)).abs().max().item()
         if not err <= tol:
             problems.append(f"{case.label}: {name} max error {err:.3g}")
-    want_path = case.kv_exchange
-    if want_path == "halo" and spans_more_than_two_ranks(case.doc_ids, cp, padded):
-        want_path = "a2a"
+    want_path, want_received = expected_exchange(case.doc_ids, positions, case.kv_exchange)
     paths = {r["stats"]["path"] for r in results}
     if paths != {want_path}:
         problems.append(f"{case.label}: paths {paths}, expected {want_path}")
     received = [r["stats"]["kv_tokens_received"] for r in results]
-    want = [padded - padded // cp] * cp if want_path == "allgather" else expected_received(case.doc_ids, cp, padded)
-    if received != want:
-        problems.append(f"{case.label}: received {received}, expected {want}")
+    if received != want_received:
+        problems.append(f"{case.label}: received {received}, expected {want_received}")
     return problems

@@ -24,13 +24,23 @@ def _check(pools, cp: int, cases: list[Case], fakes: bool = False) -> None:
 
 @pytest.mark.parametrize("cp", [2, 3, 4])
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_every_exchange_and_cpu_kernel_matches_reference(pools, cp, name):
+@pytest.mark.parametrize("shard_layout", ["contiguous", "balanced"])
+def test_every_exchange_and_cpu_kernel_matches_reference(pools, cp, name, shard_layout):
     ids = layout(name, cp)
     cases = [
-        Case(ids, backend, ex, heads, seed=cp * 100 + i)
+        Case(ids, backend, ex, heads, seed=cp * 100 + i, layout=shard_layout)
         for i, (ex, backend, heads) in enumerate(itertools.product(EXCHANGES, CPU_KERNELS, HEADS))
     ]
     _check(pools, cp, cases)
+
+
+@pytest.mark.parametrize("shard_layout", ["contiguous", "balanced"])
+def test_without_overlap_results_are_identical(pools, shard_layout):
+    cases = [
+        Case(layout(name, 3), "sdpa_varlen", ex, (4, 2), seed=i, layout=shard_layout, overlap=False)
+        for i, (name, ex) in enumerate(itertools.product(LAYOUTS, EXCHANGES))
+    ]
+    _check(pools, 3, cases)
 
 
 @pytest.mark.parametrize("cp", [2, 3])
@@ -38,8 +48,8 @@ def test_every_exchange_and_cpu_kernel_matches_reference(pools, cp, name):
 def test_flash_and_te_call_contracts_match_reference(pools, cp, backend):
     """The stand-ins implement the real call contracts; a wrong mask alignment or cu_seqlens fails here."""
     cases = [
-        Case(layout(name, cp), backend, ex, (4, 2), seed=i)
-        for i, (name, ex) in enumerate(itertools.product(LAYOUTS, EXCHANGES))
+        Case(layout(name, cp), backend, ex, (4, 2), seed=i, layout=shard_layout)
+        for i, (name, ex, shard_layout) in enumerate(itertools.product(LAYOUTS, EXCHANGES, ("contiguous", "balanced")))
     ]
     _check(pools, cp, cases, fakes=True)
 
@@ -64,7 +74,13 @@ def _random_layout(draw):
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(_random_layout(), st.sampled_from(EXCHANGES), st.sampled_from(CPU_KERNELS), st.sampled_from(HEADS))
-def test_random_layouts_match_reference(pools, drawn, kv_exchange, backend, heads):
+@given(
+    _random_layout(),
+    st.sampled_from(EXCHANGES),
+    st.sampled_from(CPU_KERNELS),
+    st.sampled_from(HEADS),
+    st.sampled_from(["contiguous", "balanced"]),
+)
+def test_random_layouts_match_reference(pools, drawn, kv_exchange, backend, heads, shard_layout):
     cp, ids = drawn
-    _check(pools, cp, [Case(ids, backend, kv_exchange, heads, seed=int(ids.sum()))])
+    _check(pools, cp, [Case(ids, backend, kv_exchange, heads, seed=int(ids.sum()), layout=shard_layout)])

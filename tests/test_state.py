@@ -73,11 +73,26 @@ def test_configure_validates_before_changing_anything():
     state.configure_cp_varlen(attn_backend="dense", kv_exchange="a2a")
     with pytest.raises(ValueError):
         state.configure_cp_varlen(attn_backend="sdpa", kv_exchange="bogus")
-    assert state.cp_varlen_runtime_config() == {"attn_backend": "dense", "kv_exchange": "a2a"}
-    state.configure_cp_varlen(attn_backend="fa2", kv_exchange="neighbor")
-    assert state.cp_varlen_runtime_config() == {"attn_backend": "flash", "kv_exchange": "halo"}
+    assert state.cp_varlen_runtime_config() == {
+        "attn_backend": "dense",
+        "kv_exchange": "a2a",
+        "layout": "contiguous",
+        "overlap": True,
+    }
+    state.configure_cp_varlen(attn_backend="fa2", kv_exchange="neighbor", layout="zigzag", overlap=False)
+    assert state.cp_varlen_runtime_config() == {
+        "attn_backend": "flash",
+        "kv_exchange": "halo",
+        "layout": "balanced",
+        "overlap": False,
+    }
     state.configure_cp_varlen()
-    assert state.cp_varlen_runtime_config() == {"attn_backend": "auto", "kv_exchange": "halo"}
+    assert state.cp_varlen_runtime_config() == {
+        "attn_backend": "auto",
+        "kv_exchange": "halo",
+        "layout": "contiguous",
+        "overlap": True,
+    }
 
 
 def test_step_slot_is_visible_from_other_threads_and_restores_nested_values():

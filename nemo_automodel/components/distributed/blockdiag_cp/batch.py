@@ -1,9 +1,9 @@
-"""Batch validation, padding and contiguous sharding, and the per-step train context."""
+"""Batch validation, padding, layout permutation and sharding, and the per-step train context."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,8 +12,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from nemo_automodel.components.distributed.blockdiag_cp import state as state_module
-from nemo_automodel.components.distributed.blockdiag_cp.kernels import precompute_blockdiag_varlen_meta
-from nemo_automodel.components.distributed.blockdiag_cp.layout import DocRuns, doc_runs_from_ids, rank_segments
+from nemo_automodel.components.distributed.blockdiag_cp.kernels import (
+    plan_attention_groups,
+    precompute_blockdiag_varlen_meta,
+)
+from nemo_automodel.components.distributed.blockdiag_cp.layout import ShardPlan, doc_runs_from_ids, make_shard_plan
 from nemo_automodel.components.distributed.blockdiag_cp.state import StepState
 
 # Sequence-aligned batch fields that are padded and sharded (``position_ids``
@@ -30,8 +33,11 @@ class ShardLayout:
         padded_seq_len: ``S_full``, a multiple of ``2 * cp_size``.
         cp_size: Number of CP ranks.
         cp_rank: This rank.
-        row_offset: Global position of this rank's first local row.
+        row_offset: Physical position of this rank's first local row (``cp_rank * local_len``).
         local_len: Local rows per rank ``S_full / cp_size``.
+        layout: ``contiguous`` or ``balanced``.
+        positions: Original (padded-row) position of each local row ``[local_len]``;
+            ``arange(row_offset, row_offset + local_len)`` under the contiguous layout.
     """
 
     original_seq_len: int
@@ -40,6 +46,8 @@ class ShardLayout:
     cp_rank: int
     row_offset: int
     local_len: int
+    layout: str
+    positions: torch.Tensor
 
 
 def _allowed(mask: torch.Tensor) -> torch.Tensor:
@@ -121,15 +129,28 @@ def _check_seq_field(field: str, tensor: Any, batch_size: int, seq_len: int) -> 
 
 
 def _pad_and_shard(
-    field: str, tensor: torch.Tensor, pad_len: int, fill: float | int | bool, row_offset: int, local_len: int
+    field: str,
+    tensor: torch.Tensor,
+    pad_len: int,
+    fill: float | int | bool,
+    row_offset: int,
+    local_len: int,
+    positions: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Pad ``tensor`` on its sequence dim with ``fill`` and slice this rank's contiguous rows."""
+    """Pad ``tensor`` on its sequence dim with ``fill`` and take this rank's rows.
+
+    ``positions`` (original positions of the local rows) is ``None`` when the
+    layout keeps the original order: the rows are then the slice
+    ``[row_offset, row_offset + local_len)``.
+    """
     dim = _seq_dim(field, tensor)
     if pad_len:
         shape = list(tensor.shape)
         shape[dim] = pad_len
         tensor = torch.cat((tensor, torch.full(shape, fill, dtype=tensor.dtype, device=tensor.device)), dim=dim)
-    return tensor.narrow(dim, row_offset, local_len)
+    if positions is None:
+        return tensor.narrow(dim, row_offset, local_len)
+    return tensor.index_select(dim, positions.to(tensor.device))
 
 
 def _cp_group(cp_mesh: DeviceMesh | None) -> tuple[dist.ProcessGroup | None, int, int]:
@@ -158,6 +179,7 @@ def make_cp_blockdiag_batch_and_ctx(
     padding_token_id: int = 0,
     attn_backend: str | None = None,
     kv_exchange: str | None = None,
+    layout: str | None = None,
 ) -> tuple[Callable[[], contextlib.AbstractContextManager[StepState]], dict[str, Any], ShardLayout]:
     """Validate, pad and shard one packed batch, and build its step context.
 
@@ -175,6 +197,11 @@ def make_cp_blockdiag_batch_and_ctx(
         padding_token_id: Fill for padded ``input_ids``.
         attn_backend: Kernel for this step (``None``: the configured value).
         kv_exchange: Exchange for this step (``None``: the configured value).
+        layout: ``contiguous`` or ``balanced`` (``None``: the configured value). The
+            balanced layout reorders whole documents (and zig-zag splits a few) so
+            every rank does the same attention work; every sequence-aligned field
+            is permuted with its tokens, so position ids, labels and loss weights
+            stay with them.
 
     Returns:
         ``(train_ctx, batch, layout)``: ``train_ctx()`` is a context manager that
@@ -188,6 +215,7 @@ def make_cp_blockdiag_batch_and_ctx(
         attn_backend if attn_backend is not None else configured["attn_backend"]
     )
     kv_mode = state_module.normalize_kv_exchange(kv_exchange if kv_exchange is not None else configured["kv_exchange"])
+    layout_name = state_module.normalize_layout(layout if layout is not None else configured["layout"])
     group, world, rank = _cp_group(cp_mesh)
 
     if ("input_ids" in batch) == ("inputs_embeds" in batch):
@@ -214,57 +242,56 @@ def make_cp_blockdiag_batch_and_ctx(
 
     pad_len = (-seq_len) % (2 * world)
     padded_len = seq_len + pad_len
-    local_len = padded_len // world
+    plan = make_shard_plan(runs.padded_to(padded_len), world, layout_name)
+    local_len = plan.local_len
     row_offset = rank * local_len
+    positions = plan.permutation[row_offset : row_offset + local_len]
     fills = {"input_ids": padding_token_id, "labels": -100, "padding_mask": True}
     out = {k: v for k, v in batch.items() if k != "attention_mask"}
     for name, tensor in fields.items():
-        out[name] = _pad_and_shard(name, tensor, pad_len, fills.get(name, 0), row_offset, local_len)
+        out[name] = _pad_and_shard(
+            name, tensor, pad_len, fills.get(name, 0), row_offset, local_len, None if plan.is_identity else positions
+        )
+    step_state = _build_step_state(group, rank, doc_ids, plan, device, backend, kv_mode, configured["overlap"])
 
-    step_state = _build_step_state(
-        group, world, rank, doc_ids, runs.padded_to(padded_len), local_len, device, backend, kv_mode
-    )
+    def train_ctx() -> contextlib.AbstractContextManager[StepState]:
+        return state_module.activate_step_state(step_state)
 
-    @contextlib.contextmanager
-    def train_ctx() -> Iterator[StepState]:
-        token = state_module._STEP_STATE.set(step_state)
-        try:
-            yield step_state
-        finally:
-            state_module._STEP_STATE.reset(token)
-
-    layout = ShardLayout(seq_len, padded_len, world, rank, row_offset, local_len)
-    return train_ctx, out, layout
+    return train_ctx, out, ShardLayout(seq_len, padded_len, world, rank, row_offset, local_len, plan.layout, positions)
 
 
 def _build_step_state(
     group: dist.ProcessGroup | None,
-    world: int,
     rank: int,
     doc_ids: torch.Tensor,
-    runs: DocRuns,
-    local_len: int,
+    plan: ShardPlan,
     device: torch.device,
     backend: str,
     kv_mode: str,
+    overlap: bool,
 ) -> StepState:
     """Precompute everything the attention layers of this step share (no per-layer host syncs)."""
-    pad_len = runs.total_len - doc_ids.shape[1]
-    doc_ids_full = torch.nn.functional.pad(doc_ids, (0, pad_len))
-    segments = rank_segments(runs, rank, local_len)
-    cu_cpu = torch.tensor(runs.cu_seqlens(), dtype=torch.int32)
+    doc_ids_full = torch.nn.functional.pad(doc_ids, (0, plan.runs.total_len - doc_ids.shape[1]))
+    if not plan.is_identity:
+        doc_ids_full = doc_ids_full.index_select(1, plan.permutation.to(device))
+    segments = plan.segments(rank)
+    groups, merge_index = plan_attention_groups(segments, device)
+    cu_cpu = torch.tensor(plan.physical_cu_seqlens(), dtype=torch.int32)
     return StepState(
         group=group,
         cp_rank=rank,
-        cp_size=world,
+        cp_size=plan.cp,
         doc_ids=doc_ids_full,
-        row_offset=rank * local_len,
-        local_len=local_len,
-        runs=runs,
+        row_offset=rank * plan.local_len,
+        local_len=plan.local_len,
+        shard_plan=plan,
         segments=segments,
         varlen_meta=precompute_blockdiag_varlen_meta(segments, device),
+        groups=groups,
+        merge_index=merge_index,
         packed_cu_seqlens=cu_cpu.to(device),
         packed_cu_seqlens_cpu=cu_cpu,
         attn_backend=backend,
         kv_exchange=kv_mode,
+        overlap=overlap,
     )

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import itertools
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -43,16 +44,16 @@ _MASK_BUDGET = 1 << 24
 
 @dataclass(frozen=True)
 class VarlenMeta:
-    """One rank's per-step kernel metadata, computed once and validated on the host.
+    """Kernel metadata of one group of local segments, computed once per step and validated on the host.
 
     Attributes:
-        local_len: Local query rows ``L``.
-        n_real: Real local rows (a prefix of the ``L`` rows).
-        q_lens: Query rows per local document.
-        k_lens: Packed keys per local document (``k_lens[0] - q_lens[0]`` is the
-            first document's left straddle; all later documents have ``k == q``).
-        cu_q: Cumulative query offsets ``[n_docs + 1]`` int32 on the compute device.
-        cu_k: Cumulative key offsets ``[n_docs + 1]`` int32 on the compute device.
+        local_len: Query rows the kernel receives ``L``.
+        n_real: Real rows among them (a prefix of the ``L`` rows).
+        q_lens: Query rows per segment.
+        k_lens: Packed keys per segment (``k_lens[i] >= q_lens[i]``: a segment's
+            rows are the last ``q_lens[i]`` positions of its ``k_lens[i]`` keys).
+        cu_q: Cumulative query offsets ``[n_segments + 1]`` int32 on the compute device.
+        cu_k: Cumulative key offsets ``[n_segments + 1]`` int32 on the compute device.
         max_q: Longest query run.
         max_k: Longest key run.
     """
@@ -72,13 +73,8 @@ class VarlenMeta:
         """Length ``K`` of the packed key tensor."""
         return sum(self.k_lens)
 
-    @property
-    def straddle(self) -> int:
-        """Keys of the first local document that precede this rank's rows."""
-        return self.k_lens[0] - self.q_lens[0] if self.q_lens else 0
-
     def segments(self) -> Iterator[tuple[int, int, int, int]]:
-        """Yield ``(q_start, q_len, k_start, k_len)`` per document, in order."""
+        """Yield ``(q_start, q_len, k_start, k_len)`` per segment, in order."""
         q_start = k_start = 0
         for q_len, k_len in zip(self.q_lens, self.k_lens):
             yield q_start, q_len, k_start, k_len
@@ -87,32 +83,27 @@ class VarlenMeta:
 
     def describe(self) -> str:
         """Compact text for diagnostics (no device access)."""
+        prefixed = sum(k > q for q, k in zip(self.q_lens, self.k_lens))
         return (
-            f"n_real={self.n_real}/{self.local_len} docs={len(self.q_lens)} kv_len={self.kv_len} "
-            f"straddle={self.straddle} max_q={self.max_q} max_k={self.max_k}"
+            f"n_real={self.n_real}/{self.local_len} segments={len(self.q_lens)} (with earlier keys: {prefixed}) "
+            f"kv_len={self.kv_len} max_q={self.max_q} max_k={self.max_k}"
         )
 
 
-def precompute_blockdiag_varlen_meta(segments: RankSegments, device: torch.device | str) -> VarlenMeta:
-    """Build and validate this rank's kernel metadata once per step.
-
-    Args:
-        segments: This rank's local document runs (from :mod:`.layout`).
-        device: Device the kernels run on; ``cu_q``/``cu_k`` are placed there.
+def build_varlen_meta(
+    q_lens: tuple[int, ...], k_lens: tuple[int, ...], local_len: int, device: torch.device | str
+) -> VarlenMeta:
+    """Build and validate the metadata of segments whose rows are the first ``sum(q_lens)`` of ``local_len``.
 
     Raises:
         ValueError: if the segments are inconsistent (a bug upstream, caught on
             the host before any kernel can read out of bounds).
     """
-    q_lens, k_lens = segments.q_lens, segments.k_lens
-    cu_q = [0]
-    cu_k = [0]
-    for q_len, k_len in zip(q_lens, k_lens):
-        cu_q.append(cu_q[-1] + q_len)
-        cu_k.append(cu_k[-1] + k_len)
+    cu_q = [0, *itertools.accumulate(q_lens)]
+    cu_k = [0, *itertools.accumulate(k_lens)]
     meta = VarlenMeta(
-        local_len=segments.local_len,
-        n_real=segments.n_real,
+        local_len=local_len,
+        n_real=cu_q[-1],
         q_lens=q_lens,
         k_lens=k_lens,
         cu_q=torch.tensor(cu_q, dtype=torch.int32, device=device),
@@ -120,29 +111,93 @@ def precompute_blockdiag_varlen_meta(segments: RankSegments, device: torch.devic
         max_q=max(q_lens, default=0),
         max_k=max(k_lens, default=0),
     )
-    reason = _host_metadata_problem(meta, cu_q, cu_k)
+    reason = _host_metadata_problem(meta)
     if reason is not None:
-        raise ValueError(f"inconsistent varlen metadata for CP rank {segments.rank}: {reason}")
+        raise ValueError(f"inconsistent varlen metadata: {reason}")
     return meta
 
 
-def _host_metadata_problem(meta: VarlenMeta, cu_q: list[int], cu_k: list[int]) -> str | None:
+def precompute_blockdiag_varlen_meta(segments: RankSegments, device: torch.device | str) -> VarlenMeta:
+    """Metadata of all of a rank's segments over its ``L`` local rows (padding rows last)."""
+    return build_varlen_meta(segments.q_lens, segments.k_lens, segments.local_len, device)
+
+
+def _host_metadata_problem(meta: VarlenMeta) -> str | None:
     """Check every index a varlen kernel will trust; ``None`` when all are safe."""
-    if not 0 <= meta.n_real <= meta.local_len:
-        return f"n_real={meta.n_real} outside [0, {meta.local_len}]"
     if len(meta.q_lens) != len(meta.k_lens):
         return "q_lens and k_lens differ in length"
-    if meta.n_real == 0:
-        return None if not meta.q_lens else "documents listed on an all-padding rank"
-    if any(q <= 0 for q in meta.q_lens) or any(k <= 0 for k in meta.k_lens):
-        return "every document run must be non-empty"
-    if cu_q[-1] != meta.n_real:
-        return f"cu_q[-1]={cu_q[-1]} != n_real={meta.n_real}"
-    if meta.k_lens[0] < meta.q_lens[0] or meta.k_lens[1:] != meta.q_lens[1:]:
-        return "only the first local document may have more keys than queries"
-    if cu_k[-1] != meta.kv_len:
-        return "cu_k does not end at the packed key length"
+    if not 0 <= meta.n_real <= meta.local_len:
+        return f"{meta.n_real} real rows outside [0, {meta.local_len}]"
+    if any(q <= 0 for q in meta.q_lens):
+        return "every segment must have at least one query row"
+    if any(k < q for q, k in zip(meta.q_lens, meta.k_lens)):
+        return "a segment has fewer keys than queries"
     return None
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Segments of one rank that one kernel call attends together.
+
+    A rank's segments split into a *local* group (every key on this rank: it can
+    run while the K/V exchange is in flight) and a *remote* group (needs
+    exchanged keys). Each group packs its own keys.
+
+    Attributes:
+        local: True for the group whose keys are all local.
+        rows: Local query rows of the group, ``(start, stop)`` when contiguous,
+            else an index tensor ``[n_rows]`` on the compute device.
+        kv_ranges: Physical ``[start, end)`` key ranges, in packed order.
+        meta: Kernel metadata over the group's rows.
+    """
+
+    local: bool
+    rows: tuple[int, int] | torch.Tensor
+    kv_ranges: tuple[tuple[int, int], ...]
+    meta: VarlenMeta
+
+    def take_rows(self, q: torch.Tensor) -> torch.Tensor:
+        """The group's query rows of ``q [1, H, L, D]`` -> ``[1, H, n_rows, D]``."""
+        if isinstance(self.rows, tuple):
+            return q[:, :, self.rows[0] : self.rows[1]]
+        return q.index_select(2, self.rows)
+
+
+def _group(segments: RankSegments, members: list[int], local: bool, device: torch.device | str) -> AttentionGroup:
+    starts = [0, *itertools.accumulate(segments.q_lens)]
+    rows = [r for i in members for r in range(starts[i], starts[i + 1])]
+    contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+    return AttentionGroup(
+        local=local,
+        rows=(rows[0], rows[0] + len(rows)) if contiguous else torch.tensor(rows, dtype=torch.long, device=device),
+        kv_ranges=segments.packed_ranges(members),
+        meta=build_varlen_meta(
+            tuple(segments.q_lens[i] for i in members), tuple(segments.k_lens[i] for i in members), len(rows), device
+        ),
+    )
+
+
+def plan_attention_groups(
+    segments: RankSegments, device: torch.device | str
+) -> tuple[tuple[AttentionGroup, ...], torch.Tensor | None]:
+    """Split a rank's segments into its local and remote groups, and how to merge their outputs.
+
+    Returns:
+        ``(groups, merge_index)``: the non-empty groups in the order their outputs
+        are concatenated (by first row), then the padding rows; ``merge_index``
+        restores local row order from that concatenation (``None`` when it already is).
+    """
+    local, remote = segments.split_local_remote()
+    members = sorted((m for m in (local, remote) if m), key=lambda m: m[0])  # segments are in row order
+    groups = [_group(segments, m, m is local, device) for m in members]
+    order = [r for g in groups for r in (range(*g.rows) if isinstance(g.rows, tuple) else g.rows.tolist())]
+    order += range(segments.n_real, segments.local_len)
+    if order == list(range(segments.local_len)):
+        return tuple(groups), None
+    inverse = [0] * len(order)
+    for position, row in enumerate(order):
+        inverse[row] = position
+    return tuple(groups), torch.tensor(inverse, dtype=torch.long, device=device)
 
 
 def _varlen_metadata_unavailable_reason(
@@ -150,32 +205,29 @@ def _varlen_metadata_unavailable_reason(
 ) -> str | None:
     """Why ``meta`` cannot drive a kernel on these shapes, or ``None`` when it can.
 
-    Cheap and cached per ``(query_len, key_len, device)``: the tensors were
-    built from validated host lists, so only their shapes, placement and the
-    key bounds are checked here.
+    Cheap and cached per ``(query_len, key_len, device)``: the index tensors were
+    built from validated host lists, so only their shapes and placement are checked.
 
     Args:
-        meta: This rank's metadata (``None`` means the step has none).
+        meta: A rank's metadata over its local rows (``None`` means the step has none).
         query_len: Local query rows of the call (must equal ``meta.local_len``).
-        key_len: Full padded sequence length ``S_full``; the packed keys cannot exceed it.
+        key_len: Padded sequence length ``S_full`` (part of the cache key).
         device: Device the kernel will run on.
     """
     if meta is None:
         return "missing varlen metadata"
     signature = (int(query_len), int(key_len), str(device))
     if signature not in meta._validated:
-        meta._validated[signature] = _metadata_shape_problem(meta, int(query_len), int(key_len), device)
+        meta._validated[signature] = _metadata_shape_problem(meta, int(query_len), device)
     return meta._validated[signature]
 
 
-def _metadata_shape_problem(meta: VarlenMeta, query_len: int, key_len: int, device: torch.device) -> str | None:
+def _metadata_shape_problem(meta: VarlenMeta, query_len: int, device: torch.device) -> str | None:
     if query_len != meta.local_len:
         return f"query length {query_len} != the step's local length {meta.local_len}"
-    if meta.kv_len > key_len:
-        return f"packed key length {meta.kv_len} exceeds the sequence length {key_len}"
     for name, cu in (("cu_q", meta.cu_q), ("cu_k", meta.cu_k)):
         if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() != len(meta.q_lens) + 1:
-            return f"{name} must be int32 [n_docs + 1]"
+            return f"{name} must be int32 [n_segments + 1]"
         if cu.device != torch.device(device):
             return f"{name} is on {cu.device}, the kernel runs on {device}"
     return None
@@ -506,21 +558,27 @@ def validate_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, en
 
 
 class _ZeroAttached(torch.autograd.Function):
-    """Zeros shaped like ``q`` whose graph still reaches ``q``, ``k`` and ``v``.
+    """Zeros shaped like the first input whose graph still reaches every input (with zero gradients).
 
-    An all-padding rank launches no kernel, but its output must stay connected to
-    the exchanged K/V so the exchange's backward collective fires on every rank.
-    Unlike ``0 * x.sum()`` this cannot turn into NaN.
+    Padding rows launch no kernel, but their output stays connected to the
+    inputs so gradients are defined (zero) everywhere and, on an all-padding
+    rank, the exchange's backward collective still runs. Unlike ``0 * x`` this
+    cannot turn into NaN.
     """
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        ctx.like = [(x.shape, x.dtype, x.device) for x in (q, k, v)]
-        return torch.zeros_like(q)
+    def forward(ctx: Any, like: torch.Tensor, *deps: torch.Tensor) -> torch.Tensor:
+        ctx.shapes = [(x.shape, x.dtype, x.device) for x in (like, *deps)]
+        return torch.zeros_like(like)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.like)
+        return tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.shapes)
+
+
+def zeros_attached(like: torch.Tensor, *deps: torch.Tensor) -> torch.Tensor:
+    """Zeros shaped like ``like``, differentiable (with zero gradient) w.r.t. ``like`` and ``deps``."""
+    return _ZeroAttached.apply(like, *deps)
 
 
 def blockdiag_attention(
@@ -547,5 +605,5 @@ def blockdiag_attention(
         ``[1, Hq, L, D]``; padding rows are zero.
     """
     if meta.n_real == 0:
-        return _ZeroAttached.apply(q, k, v)
+        return zeros_attached(q, k, v)
     return KERNELS[kernel].fn(q, k, v, meta, scale, dropout_p)

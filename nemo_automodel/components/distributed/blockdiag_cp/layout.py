@@ -1,29 +1,51 @@
-"""Document geometry of a packed sequence, computed on the host from replicated ids.
+"""Where every token of a packed row lives under CP, computed on the host from replicated ids.
 
-Everything here is a pure function of the document ids, the CP size and the
-local length, so every rank derives identical answers without communicating.
-The kernels' varlen metadata, the exchange plans and the reported figures
-(lower bound, attention work) are all built on these two types.
+Everything here is a pure, deterministic function of the document ids, the CP
+size and the layout name, so every rank derives identical answers without
+communicating. The kernels' varlen metadata, the exchange plans, the cost model
+and the reported figures (lower bound, attention work, balance) build on it.
 
-Contiguous layout: rank ``r`` holds global rows ``[r * L, (r + 1) * L)``.
+Layouts (``ShardPlan.layout``):
+
+- ``contiguous``: the packed row is cut into ``cp`` equal chunks; rank ``r``
+  holds positions ``[r * L, (r + 1) * L)``. Causal work is uneven: with one long
+  document the last rank does about ``2 - 1/cp`` times the mean.
+- ``balanced``: documents are independent under a block-diagonal mask, so
+  their order is free. Whole documents are placed greedily by attention work,
+  and only the documents needed to reach balance are cut zig-zag into ``2 cp``
+  chunks (rank ``r`` takes chunk ``r`` and chunk ``2 cp - 1 - r``: an early,
+  cheap piece and a late, expensive one). Tokens are permuted accordingly; each
+  rank still holds exactly ``L`` rows.
+
+Terms: the *physical order* is the token order after the layout's permutation;
+rank ``r`` holds physical rows ``[r * L, (r + 1) * L)``, its real tokens first and
+its padding last. A *segment* is a run of local rows of one document with
+consecutive positions; it attends to its document's keys from position 0 up to
+its last row (bottom-right causal).
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
+
+LAYOUTS = ("contiguous", "balanced")
+# Balance (max/mean attention work) the balanced layout aims for; the issue's bar is 1.05.
+BALANCE_TARGET = 1.02
 
 
 @dataclass(frozen=True)
 class DocRuns:
-    """The real documents of one packed row, as contiguous runs (host ints).
+    """The real documents of one packed row, as contiguous runs in the original order (host ints).
 
     Attributes:
-        starts: Global start position of each document, ascending.
-        ends: Global end position (exclusive) of each document.
+        starts: Start position of each document, ascending.
+        ends: End position (exclusive) of each document.
         ids: The document id of each run (unique, all > 0).
         total_len: Length of the (padded) row; ``[n_real, total_len)`` is padding.
     """
@@ -49,13 +71,6 @@ class DocRuns:
             raise ValueError(f"cannot shrink a packed row from {self.total_len} to {total_len}")
         return DocRuns(self.starts, self.ends, self.ids, total_len)
 
-    def cu_seqlens(self) -> list[int]:
-        """Boundaries of the padded row: every document, then the padding tail as one segment."""
-        bounds = [0, *self.ends]
-        if self.total_len > self.n_real:
-            bounds.append(self.total_len)
-        return bounds
-
 
 def doc_runs_from_lengths(lengths: list[int] | tuple[int, ...], total_len: int | None = None) -> DocRuns:
     """Build :class:`DocRuns` for documents of the given lengths packed back to back.
@@ -73,6 +88,16 @@ def doc_runs_from_lengths(lengths: list[int] | tuple[int, ...], total_len: int |
     if total < n_real:
         raise ValueError(f"total_len={total} is shorter than the {n_real} packed tokens")
     return DocRuns(starts, ends, tuple(range(1, len(ends) + 1)), total)
+
+
+def _first_repeated(values: list[int]) -> int | None:
+    """The first value that occurs a second time, or ``None``."""
+    seen: set[int] = set()
+    for value in values:
+        if value in seen:
+            return value
+        seen.add(value)
+    return None
 
 
 def doc_runs_from_ids(doc_ids: torch.Tensor, field: str = "_packed_seq_ids") -> DocRuns:
@@ -120,34 +145,60 @@ def doc_runs_from_ids(doc_ids: torch.Tensor, field: str = "_packed_seq_ids") -> 
     return DocRuns(tuple(starts), tuple(ends), tuple(run_ids), total)
 
 
-def _first_repeated(values: list[int]) -> int | None:
-    """The first value that occurs a second time, or ``None``."""
-    seen: set[int] = set()
-    for value in values:
-        if value in seen:
-            return value
-        seen.add(value)
-    return None
+def pair_count(start: int, stop: int) -> int:
+    """(query, key) pairs of document positions ``[start, stop)`` attending causally inside their document."""
+    return (stop * (stop + 1) - start * (start + 1)) // 2
+
+
+@dataclass(frozen=True)
+class DocPiece:
+    """Positions ``[start, stop)`` of document ``doc`` (an index into :class:`DocRuns`)."""
+
+    doc: int
+    start: int
+    stop: int
+
+    @property
+    def length(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def work(self) -> int:
+        """Attention pairs of this piece's queries."""
+        return pair_count(self.start, self.stop)
+
+
+Range = tuple[int, int]
+
+
+def _merge(ranges: list[Range]) -> list[Range]:
+    """Sort and merge overlapping or touching ``[start, end)`` ranges."""
+    out: list[Range] = []
+    for s, e in sorted(ranges):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
 
 
 @dataclass(frozen=True)
 class RankSegments:
-    """One rank's local documents and the keys they need (host ints).
+    """One rank's local segments and the keys they need (host ints).
 
-    Local rows ``[0, n_real)`` are real and split into per-document query runs
-    of lengths ``q_lens``; run ``i`` attends the ``k_lens[i]`` keys of its
-    document that end at its last row (bottom-right causal). Only the first run
-    can have ``k_lens[0] > q_lens[0]``: its document began on an earlier rank.
+    Local rows ``[0, n_real)`` are real and split into segments of lengths
+    ``q_lens``; segment ``i`` attends ``k_lens[i] >= q_lens[i]`` keys, found at
+    the physical ranges ``seg_kv[i]`` (in key order). Under the contiguous
+    layout only the first segment can have more keys than queries.
 
     Attributes:
         rank: CP rank.
-        row_offset: Global position of local row 0.
+        row_offset: Physical position of local row 0 (``rank * local_len``).
         local_len: Local rows ``L``.
         n_real: Real local rows (a prefix of the local rows).
-        q_lens: Query rows per local document run.
-        k_lens: Keys per local document run.
-        kv_ranges: Global ``[start, end)`` K/V ranges, in the order the kernel
-            consumes them (their concatenation is the packed key tensor).
+        q_lens: Query rows per segment.
+        k_lens: Keys per segment.
+        seg_kv: Physical ``[start, end)`` key ranges of each segment.
     """
 
     rank: int
@@ -156,56 +207,323 @@ class RankSegments:
     n_real: int
     q_lens: tuple[int, ...]
     k_lens: tuple[int, ...]
-    kv_ranges: tuple[tuple[int, int], ...]
+    seg_kv: tuple[tuple[Range, ...], ...]
+
+    @property
+    def kv_ranges(self) -> tuple[Range, ...]:
+        """All segments' key ranges in packed order (touching ranges merged)."""
+        return self.packed_ranges(range(len(self.q_lens)))
+
+    def packed_ranges(self, members: Iterable[int]) -> tuple[Range, ...]:
+        """Key ranges of the ``members`` segments in packed order (touching ranges merged)."""
+        out: list[Range] = []
+        for s, e in itertools.chain.from_iterable(self.seg_kv[i] for i in members):
+            if out and out[-1][1] == s:
+                out[-1] = (out[-1][0], e)
+            else:
+                out.append((s, e))
+        return tuple(out)
+
+    def split_local_remote(self) -> tuple[list[int], list[int]]:
+        """Segment indices whose keys are all on this rank, and the others (which need exchanged keys)."""
+        local = [i for i in range(len(self.q_lens)) if self.is_local(i)]
+        return local, [i for i in range(len(self.q_lens)) if not self.is_local(i)]
 
     @property
     def straddle(self) -> int:
-        """Keys of the first local document that live before this rank's rows."""
+        """Keys of the first segment's document that precede the segment (contiguous: the left straddle)."""
         return self.k_lens[0] - self.q_lens[0] if self.q_lens else 0
 
     @property
     def kv_len(self) -> int:
-        """Length of the packed key tensor the kernel consumes."""
+        """Length of the packed key tensor over all segments."""
         return sum(self.k_lens)
+
+    def is_local(self, segment: int) -> bool:
+        """True when every key of ``segment`` lives on this rank."""
+        lo, hi = self.row_offset, self.row_offset + self.local_len
+        return all(lo <= s and e <= hi for s, e in self.seg_kv[segment])
+
+    @property
+    def remote_ranges(self) -> list[Range]:
+        """Unique physical key ranges needed from other ranks (merged)."""
+        lo, hi = self.row_offset, self.row_offset + self.local_len
+        remote: list[Range] = []
+        for s, e in itertools.chain.from_iterable(self.seg_kv):
+            remote += [r for r in ((s, min(e, lo)), (max(s, hi), e)) if r[0] < r[1]]
+        return _merge(remote)
 
     @property
     def remote_kv_tokens(self) -> int:
         """Needed key positions that live on other ranks: the lower bound to receive."""
-        lo, hi = self.row_offset, self.row_offset + self.local_len
-        return sum((e - s) - max(0, min(e, hi) - max(s, lo)) for s, e in self.kv_ranges)
+        return sum(e - s for s, e in self.remote_ranges)
 
     @property
     def attention_work(self) -> int:
-        """(query, key) pairs the real local rows attend to (block-diagonal causal)."""
-        return sum(q * k - q * (q - 1) // 2 for q, k in zip(self.q_lens, self.k_lens))
+        """(query, key) pairs the real local rows attend to."""
+        return sum(pair_count(k - q, k) for q, k in zip(self.q_lens, self.k_lens))
 
 
-def rank_segments(runs: DocRuns, rank: int, local_len: int) -> RankSegments:
-    """Local document runs of ``rank`` under the contiguous layout.
+@dataclass(frozen=True)
+class ShardPlan:
+    """Which document pieces every rank holds, in local order; identical on every rank.
+
+    Attributes:
+        runs: The documents in their original packed order (row padded to ``cp * local_len``).
+        cp: Number of CP ranks.
+        local_len: Rows per rank ``L``.
+        layout: ``contiguous`` or ``balanced``.
+        pieces: ``pieces[r]``: rank ``r``'s document pieces, in local row order.
+    """
+
+    runs: DocRuns
+    cp: int
+    local_len: int
+    layout: str
+    pieces: tuple[tuple[DocPiece, ...], ...]
+
+    def __post_init__(self) -> None:
+        for r, pieces in enumerate(self.pieces):
+            if sum(p.length for p in pieces) > self.local_len:
+                raise ValueError(f"internal layout error: rank {r} holds more than {self.local_len} rows")
+        covered = sorted((p.doc, p.start, p.stop) for pieces in self.pieces for p in pieces)
+        position = {}
+        for doc, start, stop in covered:
+            if position.get(doc, 0) != start:
+                raise ValueError(f"internal layout error: document {doc} is not tiled exactly by its pieces")
+            position[doc] = stop
+        if position != dict(enumerate(self.runs.lengths)):
+            raise ValueError("internal layout error: some document is not fully placed")
+
+    @cached_property
+    def _doc_locations(self) -> dict[int, list[tuple[int, int, int]]]:
+        """Per document: ``(start, stop, physical start)`` of its pieces, sorted by position."""
+        where: dict[int, list[tuple[int, int, int]]] = {}
+        for r, pieces in enumerate(self.pieces):
+            row = r * self.local_len
+            for p in pieces:
+                where.setdefault(p.doc, []).append((p.start, p.stop, row))
+                row += p.length
+        return {d: sorted(v) for d, v in where.items()}
+
+    def physical_ranges(self, doc: int, stop: int) -> tuple[Range, ...]:
+        """Physical ranges holding positions ``[0, stop)`` of ``doc``, in position order (touching merged)."""
+        out: list[Range] = []
+        for start, end, phys in self._doc_locations[doc]:
+            if start >= stop:
+                break
+            s, e = phys, phys + min(end, stop) - start
+            if out and out[-1][1] == s:
+                out[-1] = (out[-1][0], e)
+            else:
+                out.append((s, e))
+        return tuple(out)
+
+    def segments(self, rank: int) -> RankSegments:
+        """Rank ``rank``'s :class:`RankSegments`."""
+        pieces = self.pieces[rank]
+        return RankSegments(
+            rank=rank,
+            row_offset=rank * self.local_len,
+            local_len=self.local_len,
+            n_real=sum(p.length for p in pieces),
+            q_lens=tuple(p.length for p in pieces),
+            k_lens=tuple(p.stop for p in pieces),
+            seg_kv=tuple(self.physical_ranges(p.doc, p.stop) for p in pieces),
+        )
+
+    @cached_property
+    def all_segments(self) -> tuple[RankSegments, ...]:
+        """:meth:`segments` of every rank."""
+        return tuple(self.segments(r) for r in range(self.cp))
+
+    @cached_property
+    def permutation(self) -> torch.Tensor:
+        """``[S_full]`` long: the original position of the token at each physical position."""
+        perm: list[int] = []
+        pads = iter(range(self.runs.n_real, self.runs.total_len))
+        for pieces in self.pieces:
+            for p in pieces:
+                base = self.runs.starts[p.doc]
+                perm.extend(range(base + p.start, base + p.stop))
+            perm.extend(itertools.islice(pads, self.local_len - sum(p.length for p in pieces)))
+        return torch.tensor(perm, dtype=torch.long)
+
+    @cached_property
+    def is_identity(self) -> bool:
+        """True when the physical order is the original order (always for ``contiguous``)."""
+        return bool(torch.equal(self.permutation, torch.arange(self.runs.total_len)))
+
+    @property
+    def rank_work(self) -> list[int]:
+        """Attention work (pairs) of every rank."""
+        return [sum(p.work for p in pieces) for pieces in self.pieces]
+
+    @property
+    def balance(self) -> float:
+        """Max over mean attention work (1.0 is perfect; 1.0 when there is no work)."""
+        return balance(self.rank_work)
+
+    def physical_cu_seqlens(self) -> list[int]:
+        """Boundaries of the physical row: runs of one document with consecutive positions, and padding runs.
+
+        Under the contiguous layout these are the original document boundaries
+        followed by the padding tail as one segment.
+        """
+        runs: list[tuple[int, int, int]] = []  # (doc or -1 for padding, stop position, length)
+        for pieces in self.pieces:
+            for p in pieces:
+                if runs and runs[-1][0] == p.doc and runs[-1][1] == p.start:
+                    runs[-1] = (p.doc, p.stop, runs[-1][2] + p.length)
+                else:
+                    runs.append((p.doc, p.stop, p.length))
+            pad = self.local_len - sum(p.length for p in pieces)
+            if pad and runs and runs[-1][0] == -1:
+                runs[-1] = (-1, 0, runs[-1][2] + pad)
+            elif pad:
+                runs.append((-1, 0, pad))
+        return [0, *itertools.accumulate(length for _, _, length in runs)]
+
+
+def balance(work: list[int]) -> float:
+    """Max over mean (1.0 when all are zero)."""
+    mean = sum(work) / len(work)
+    return max(work) / mean if mean else 1.0
+
+
+def contiguous_pieces(runs: DocRuns, cp: int, local_len: int) -> tuple[tuple[DocPiece, ...], ...]:
+    """Cut the original row into ``cp`` chunks of ``local_len`` rows."""
+    out = []
+    for rank in range(cp):
+        lo = rank * local_len
+        hi = min(lo + local_len, runs.n_real)
+        pieces = []
+        doc = bisect.bisect_right(runs.starts, lo) - 1
+        while hi > lo and doc < len(runs.starts) and runs.starts[doc] < hi:
+            base = runs.starts[doc]
+            pieces.append(DocPiece(doc, max(lo, base) - base, min(hi, runs.ends[doc]) - base))
+            doc += 1
+        out.append(tuple(pieces))
+    return tuple(out)
+
+
+class _Bins:
+    """Per-rank remaining capacity, accumulated work and pieces during greedy placement."""
+
+    def __init__(self, cp: int, local_len: int) -> None:
+        self.cap = [local_len] * cp
+        self.work = [0] * cp
+        self.pieces: list[list[DocPiece]] = [[] for _ in range(cp)]
+
+    def put(self, rank: int, piece: DocPiece) -> None:
+        self.cap[rank] -= piece.length
+        self.work[rank] += piece.work
+        self.pieces[rank].append(piece)
+
+
+def _zigzag(bins: _Bins, doc: int, length: int) -> bool:
+    """Cut ``doc`` into ``2 cp`` chunks; rank ``r`` takes chunk ``r`` (head) and chunk ``2 cp - 1 - r`` (tail).
+
+    Rank shares differ by at most one token; the extra tokens go to the ranks
+    with the most room. Returns False (placing nothing) when some rank lacks room.
+    """
+    cp = len(bins.cap)
+    roomiest = sorted(range(cp), key=lambda r: (-bins.cap[r], r))[: length % cp]
+    share = [length // cp + (r in roomiest) for r in range(cp)]
+    if any(share[r] > bins.cap[r] for r in range(cp)):
+        return False
+    heads = [s // 2 for s in share]
+    sizes = heads + [share[r] - heads[r] for r in reversed(range(cp))]  # chunk j -> rank j or 2cp-1-j
+    start = 0
+    for j, size in enumerate(sizes):
+        if size:
+            bins.put(j if j < cp else 2 * cp - 1 - j, DocPiece(doc, start, start + size))
+        start += size
+    return True
+
+
+def _place_whole_or_split(bins: _Bins, doc: int, length: int) -> None:
+    """Put ``doc`` whole on the least-loaded rank with room; else split it over the least-loaded ranks."""
+    fits = [r for r in range(len(bins.cap)) if bins.cap[r] >= length]
+    if fits:
+        bins.put(min(fits, key=lambda r: (bins.work[r], r)), DocPiece(doc, 0, length))
+        return
+    start = 0
+    for rank in sorted(range(len(bins.cap)), key=lambda r: (bins.work[r], r)):
+        take = min(bins.cap[rank], length - start)
+        if take > 0:
+            bins.put(rank, DocPiece(doc, start, start + take))
+            start += take
+    assert start == length, "the row has room for every real token"
+
+
+def _greedy(
+    lengths: tuple[int, ...], order: list[int], zigzag: set[int], cp: int, local_len: int
+) -> tuple[tuple[DocPiece, ...], ...] | None:
+    """Zig-zag the ``zigzag`` documents, then place the rest by descending length; ``None`` if infeasible."""
+    bins = _Bins(cp, local_len)
+    for doc in order:
+        if doc in zigzag and not _zigzag(bins, doc, lengths[doc]):
+            return None
+    for doc in order:
+        if doc not in zigzag:
+            _place_whole_or_split(bins, doc, lengths[doc])
+    return tuple(tuple(sorted(p, key=lambda x: (x.doc, x.start))) for p in bins.pieces)
+
+
+def balanced_pieces(runs: DocRuns, cp: int, local_len: int) -> tuple[tuple[DocPiece, ...], ...]:
+    """Pieces of the balanced layout: zig-zag the fewest largest documents that bring balance to the target.
+
+    The count of zig-zagged documents is searched by doubling, then bisection,
+    over the documents long enough to cut (``>= 2 cp`` tokens); every candidate
+    placement is a cheap greedy pass, so the whole search costs milliseconds.
+    """
+    lengths = runs.lengths
+    order = sorted(range(len(lengths)), key=lambda d: (-lengths[d], d))
+    cuttable = [d for d in order if lengths[d] >= 2 * cp]
+
+    def attempt(k: int) -> tuple[float, tuple[tuple[DocPiece, ...], ...]] | None:
+        pieces = _greedy(lengths, order, set(cuttable[:k]), cp, local_len)
+        return None if pieces is None else (balance([sum(p.work for p in ps) for ps in pieces]), pieces)
+
+    best = attempt(0)
+    assert best is not None, "placing whole documents is always feasible"
+    if best[0] <= BALANCE_TARGET or not cuttable:
+        return best[1]
+    k, low = 1, 0
+    while True:
+        result = attempt(k)
+        if result is not None and result[0] < best[0]:
+            best = result
+        if (result is not None and result[0] <= BALANCE_TARGET) or k == len(cuttable):
+            break
+        low, k = k, min(2 * k, len(cuttable))
+    high = k
+    while high - low > 1 and best[0] <= BALANCE_TARGET:  # fewest zig-zags that still reach the target
+        mid = (low + high) // 2
+        result = attempt(mid)
+        if result is not None and result[0] <= BALANCE_TARGET:
+            best, high = result, mid
+        else:
+            low = mid
+    return best[1]
+
+
+def make_shard_plan(runs: DocRuns, cp: int, layout: str = "contiguous") -> ShardPlan:
+    """The :class:`ShardPlan` of a row padded to a multiple of ``cp``.
 
     Args:
-        runs: Document runs of the padded row (``runs.total_len == cp * local_len``).
-        rank: CP rank.
-        local_len: Local rows per rank ``L``.
+        runs: Documents of the padded row (``runs.total_len % cp == 0``).
+        cp: Number of CP ranks.
+        layout: ``contiguous`` or ``balanced``.
     """
-    lo = rank * local_len
-    hi = min(lo + local_len, runs.n_real)
-    q_lens: list[int] = []
-    k_lens: list[int] = []
-    doc = bisect.bisect_right(runs.starts, lo) - 1
-    while hi > lo and doc < len(runs.starts) and runs.starts[doc] < hi:
-        q_start, q_end = max(lo, runs.starts[doc]), min(hi, runs.ends[doc])
-        q_lens.append(q_end - q_start)
-        k_lens.append(q_end - runs.starts[doc])
-        doc += 1
-    n_real = max(0, hi - lo)
-    kv_ranges = ((lo - (k_lens[0] - q_lens[0]), lo + n_real),) if q_lens else ()
-    return RankSegments(rank, lo, local_len, n_real, tuple(q_lens), tuple(k_lens), kv_ranges)
-
-
-def all_rank_segments(runs: DocRuns, cp_size: int) -> list[RankSegments]:
-    """:func:`rank_segments` for every rank of a row already padded to a multiple of ``cp_size``."""
-    if runs.total_len % cp_size:
-        raise ValueError(f"row length {runs.total_len} is not a multiple of cp_size={cp_size}")
-    local_len = runs.total_len // cp_size
-    return [rank_segments(runs, r, local_len) for r in range(cp_size)]
+    if runs.total_len % cp:
+        raise ValueError(f"row length {runs.total_len} is not a multiple of cp_size={cp}")
+    local_len = runs.total_len // cp
+    if layout == "contiguous" or cp == 1:
+        pieces = contiguous_pieces(runs, cp, local_len)
+    elif layout == "balanced":
+        pieces = balanced_pieces(runs, cp, local_len)
+    else:
+        raise ValueError(f"Unknown layout {layout!r}. Valid values: {', '.join(LAYOUTS)}")
+    return ShardPlan(runs, cp, local_len, layout if cp > 1 else "contiguous", pieces)

@@ -30,7 +30,7 @@ from torch.utils.hooks import RemovableHandle
 from nemo_automodel.components.distributed.blockdiag_cp import kernels
 from nemo_automodel.components.distributed.blockdiag_cp import state as state_module
 from nemo_automodel.components.distributed.blockdiag_cp.kernels import VarlenMeta
-from nemo_automodel.components.distributed.blockdiag_cp.layout import doc_runs_from_ids, rank_segments
+from nemo_automodel.components.distributed.blockdiag_cp.layout import doc_runs_from_ids, make_shard_plan
 from nemo_automodel.components.distributed.blockdiag_cp.state import ThreadSharedSlot
 
 
@@ -59,7 +59,7 @@ def enable_cp1_packed_varlen(doc_ids: torch.Tensor, backend: str | None = None) 
         backend if backend is not None else state_module.cp_varlen_runtime_config()["attn_backend"]
     )
     runs = doc_runs_from_ids(doc_ids)
-    meta = kernels.precompute_blockdiag_varlen_meta(rank_segments(runs, 0, runs.total_len), doc_ids.device)
+    meta = kernels.precompute_blockdiag_varlen_meta(make_shard_plan(runs, 1).segments(0), doc_ids.device)
     _PACKED.set(PackedState(runs.total_len, meta, requested))
 
 

@@ -24,10 +24,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from nemo_automodel.components.distributed.blockdiag_cp import exchange, kernels
+from nemo_automodel.components.distributed.blockdiag_cp import consensus, exchange, kernels
 from nemo_automodel.components.distributed.blockdiag_cp import state as state_module
-from nemo_automodel.components.distributed.blockdiag_cp.exchange import KVPlan
-from nemo_automodel.components.distributed.blockdiag_cp.layout import all_rank_segments
+from nemo_automodel.components.distributed.blockdiag_cp.consensus import CallStatus, group_size
+from nemo_automodel.components.distributed.blockdiag_cp.exchange import ExchangeOp, KVPlan
+from nemo_automodel.components.distributed.blockdiag_cp.kernels import AttentionGroup
 from nemo_automodel.components.distributed.blockdiag_cp.state import StepState
 
 logger = logging.getLogger(__name__)
@@ -50,16 +51,41 @@ class ExchangeStats:
     kv_bytes_received: int
 
 
+@dataclass
+class _WaitClock:
+    """Seconds this rank spent blocked on K/V exchanges (forward and backward) since the last reset."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    calls: int = 0
+
+
 _LAST_STATS: ExchangeStats | None = None
+_CLOCK = _WaitClock()
 
 
 def exchange_stats() -> dict[str, Any] | None:
     """Stats of the latest CP attention call on this rank, or ``None`` before the first.
 
     Returns:
-        ``{"path", "reason", "attn_backend", "kv_tokens_received", "kv_bytes_received"}``.
+        ``{"path", "reason", "attn_backend", "kv_tokens_received", "kv_bytes_received"}`` of the
+        latest call, plus the time blocked on exchanges since :func:`reset_exchange_stats`:
+        ``exchange_wait_s`` (forward), ``exchange_backward_wait_s`` and ``exchange_calls``.
     """
-    return None if _LAST_STATS is None else asdict(_LAST_STATS)
+    if _LAST_STATS is None:
+        return None
+    return {
+        **asdict(_LAST_STATS),
+        "exchange_wait_s": _CLOCK.forward_s,
+        "exchange_backward_wait_s": _CLOCK.backward_s,
+        "exchange_calls": _CLOCK.calls,
+    }
+
+
+def reset_exchange_stats() -> None:
+    """Zero the exchange wait clock (e.g. at the start of a step)."""
+    global _CLOCK
+    _CLOCK = _WaitClock()
 
 
 def _local_world_size() -> int:
@@ -81,7 +107,7 @@ def _cp_group_spans_nodes(group: dist.ProcessGroup | None) -> bool:
     """
     if os.environ.get("NEMO_CP_ALLOW_XNODE") == "1":
         return False
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    world = group_size(group)
     local = _local_world_size()
     spans = 0 < local < world
     global _KV_XNODE_LOGGED
@@ -96,24 +122,6 @@ def _cp_group_spans_nodes(group: dist.ProcessGroup | None) -> bool:
     return spans
 
 
-def _group_size(group: dist.ProcessGroup | None) -> int:
-    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
-
-
-def _failed_ranks(ok: bool, group: dist.ProcessGroup | None, device: torch.device) -> list[int]:
-    """Group ranks that reported ``ok=False`` (one all-reduce of a ``[world]`` int vector).
-
-    Every rank gets the same list, so every rank can act on it identically.
-    """
-    world = _group_size(group)
-    if world == 1:
-        return [] if ok else [0]
-    flags = torch.zeros(world, dtype=torch.int32, device=device)
-    flags[dist.get_rank(group)] = 0 if ok else 1
-    dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=group)
-    return [r for r, bad in enumerate(flags.tolist()) if bad]
-
-
 def _needed_only_kernel_succeeded_on_all_ranks(
     out: torch.Tensor | None, group: dist.ProcessGroup | None, device: torch.device, diagnostic: str | None = None
 ) -> bool:
@@ -125,7 +133,7 @@ def _needed_only_kernel_succeeded_on_all_ranks(
     """
     if out is None:
         logger.error("CP attention kernel failed on this rank: %s", diagnostic or "no diagnostic")
-    return not _failed_ranks(out is not None, group, device)
+    return not consensus.failed_ranks(out is not None, group, device)
 
 
 def _snapshot_value(state: StepState | Mapping[str, Any], name: str) -> str | None:
@@ -174,7 +182,7 @@ def _needed_only_preflight(
         local_reason = kernels._varlen_metadata_unavailable_reason(
             state.varlen_meta, query_len=query_len, key_len=key_len, device=device
         )
-    failed = _failed_ranks(local_reason is None, group, device)
+    failed = consensus.failed_ranks(local_reason is None, group, device)
     result: tuple[bool, str | None] = (True, None)
     if failed:
         result = (False, f"rank(s) {failed} cannot run {backend}" + (f" ({local_reason})" if local_reason else ""))
@@ -213,7 +221,7 @@ def _select_kv_exchange_path(
     backend, kv_exchange = _resolve_cp_varlen_config(state)
     if offset != state.row_offset:
         raise ValueError(f"offset={offset} disagrees with the step state's row_offset={state.row_offset}")
-    if _group_size(group) == 1:
+    if group_size(group) == 1:
         return "allgather", None, "cp_size=1: nothing to exchange"
     if kv_exchange == "allgather":
         return "allgather", None, "kv_exchange=allgather (configured)"
@@ -225,15 +233,20 @@ def _select_kv_exchange_path(
         ok, why = _needed_only_preflight(state, group, backend, query_dtype, device, local_len, doc_ids.shape[-1])
         if not ok:
             return "allgather", None, f"needed-only preflight failed: {why}"
-    plan = state.cache.kv_plan
-    if plan is None:
-        plan = exchange.compute_kv_plan(all_rank_segments(state.runs, state.cp_size))
-        state.cache.kv_plan = plan  # reused by every layer and by recompute this step
+    plan = _kv_plan(state)
     if kv_exchange == "a2a":
         return "a2a", plan, "kv_exchange=a2a (configured)"
     if plan.use_halo:
-        return "halo", plan, "kv_exchange=halo: every document spans at most two ranks"
-    return "a2a", plan, "kv_exchange=halo upgraded to a2a: a document spans more than two ranks"
+        return "halo", plan, "kv_exchange=halo: every rank needs remote keys from its left neighbour only"
+    return "a2a", plan, "kv_exchange=halo upgraded to a2a: some rank needs keys from beyond its left neighbour"
+
+
+def _kv_plan(state: StepState) -> KVPlan:
+    """The step's replicated exchange plan, computed once and reused by every layer and by recompute."""
+    if state.cache.kv_plan is None:
+        remote = [seg.packed_ranges(seg.split_local_remote()[1]) for seg in state.shard_plan.all_segments]
+        state.cache.kv_plan = exchange.compute_kv_plan(remote, state.local_len)
+    return state.cache.kv_plan
 
 
 def _log_path(path: str, reason: str, kernel: str, state: StepState) -> None:
@@ -250,21 +263,124 @@ def _log_path(path: str, reason: str, kernel: str, state: StepState) -> None:
         )
 
 
-def _attend(
-    kernel: str,
-    query: torch.Tensor,
+def _agree_on_step(state: StepState, query: torch.Tensor, key: torch.Tensor) -> None:
+    """Once per step and call shape: every rank must run the same configuration on the same layout.
+
+    Runs before any path-dependent collective, so a disagreement (a rank with a
+    different ``kv_exchange``, kernel, sequence length or document layout) makes
+    every rank raise the same error instead of hanging in mismatched collectives.
+    """
+    signature = (tuple(query.shape), tuple(key.shape), str(query.dtype))
+    if signature in state.cache.agreed or state.cp_size == 1:
+        return
+    backend, kv_exchange = _resolve_cp_varlen_config(state)
+    plan = state.shard_plan
+    consensus.check_step_agreement(
+        {
+            "cp_size": state.cp_size,
+            "sequence length": plan.runs.total_len,
+            "local length": state.local_len,
+            "attn_backend": backend,
+            "kv_exchange": kv_exchange,
+            "layout": plan.layout,
+            "overlap": state.overlap,
+            "document layout": (plan.runs.starts, plan.runs.ends, plan.pieces),
+            "query/key shapes and dtype": signature,
+        },
+        state.group,
+        query.device,
+    )
+    state.cache.agreed.add(signature)
+
+
+def _group_keys(
+    group: AttentionGroup,
     kv: torch.Tensor,
-    n_kv_heads: int,
+    received: torch.Tensor | None,
+    path: str,
+    plan: KVPlan | None,
     state: StepState,
+) -> torch.Tensor:
+    """Packed keys ``[1, C, K, D]`` of one attention group."""
+    if group.local:
+        base = state.row_offset
+        parts = [kv[:, :, s - base : e - base] for s, e in group.kv_ranges]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+    return exchange.assemble(kv, received, path, state.cp_rank, state.local_len, group.kv_ranges, plan)
+
+
+def _run_group(
+    group: AttentionGroup,
+    query: torch.Tensor,
+    packed: torch.Tensor,
+    n_kv_heads: int,
+    kernel: str,
+    status: CallStatus,
     scale: float | None,
     dropout_p: float,
-) -> tuple[torch.Tensor | None, str | None]:
-    """Run the kernel; a failure becomes ``(None, diagnostic)`` so the group can fail together."""
-    key, value = kv.split(n_kv_heads, dim=1)
-    try:
-        return kernels.blockdiag_attention(kernel, query, key, value, state.varlen_meta, scale, dropout_p), None
-    except Exception as exc:  # any kernel error must reach the consensus, not unwind this rank alone
-        return None, f"{type(exc).__name__}: {exc} [kernel={kernel} {state.varlen_meta.describe()}]"
+) -> torch.Tensor:
+    """Guarded kernel call on the group's rows ``[1, Hq, n_rows, D]``."""
+    key, value = packed.split(n_kv_heads, dim=1)
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return kernels.blockdiag_attention(kernel, q, k, v, group.meta, scale, dropout_p)
+
+    describe = f"kernel={kernel} {'local' if group.local else 'remote'} group: {group.meta.describe()}"
+    return consensus.guarded(attend, status, describe, group.take_rows(query), key, value)
+
+
+def _attend(
+    state: StepState,
+    path: str,
+    plan: KVPlan | None,
+    kernel: str,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float | None,
+    dropout_p: float,
+) -> torch.Tensor:
+    """Exchange K/V and attend every group; local-key groups run while the exchange is in flight.
+
+    Returns:
+        ``[1, Hq, L, D]`` in local row order; padding rows are zero.
+    """
+    kv = torch.cat((key, value), dim=1)  # one collective moves both: [1, 2 * Hkv, L, D]
+    status = CallStatus()
+    what = f"path={path} kernel={kernel}"
+    op: ExchangeOp | None = None
+    token = received = None
+    if state.cp_size > 1:
+        op = exchange.make_exchange_op(path, state.group, state.cp_rank, state.cp_size, plan)
+        op.after_backward = lambda: _after_backward(op, status, state, query.device, what)
+        token = exchange.post(kv, op)
+        if not state.overlap:
+            received = exchange.wait(token, op)
+    outputs = []
+    for group in state.groups:  # local group first when it exists: it needs nothing from the exchange
+        if not group.local and received is None:
+            received = exchange.wait(token, op)
+        packed = _group_keys(group, kv, received, path, plan, state)
+        outputs.append(_run_group(group, query, packed, key.shape[1], kernel, status, scale, dropout_p))
+    if op is not None and received is None:
+        received = exchange.wait(token, op)
+    n_real = state.segments.n_real
+    parts = [] if received is None else [exchange.anchor_like(query, received)]
+    parts += [*outputs, kernels.zeros_attached(query[:, :, n_real:])] if n_real < state.local_len else outputs
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+    if state.merge_index is not None:
+        out = out.index_select(2, state.merge_index)
+    if op is not None:
+        _CLOCK.forward_s += op.wait_s
+        _CLOCK.calls += 1
+    status.raise_if_failed("forward", state.group, query.device, state.cp_rank, what)
+    return out
+
+
+def _after_backward(op: ExchangeOp, status: CallStatus, state: StepState, device: torch.device, what: str) -> None:
+    """Runs when a layer's reverse exchange completed: account its wait and agree on backward failures."""
+    _CLOCK.backward_s += op.backward_wait_s
+    status.raise_if_failed("backward", state.group, device, state.cp_rank, what)
 
 
 def cp_blockdiag_sdpa(
@@ -318,6 +434,7 @@ def cp_blockdiag_sdpa(
         )
     kernels.validate_qkv(query, key, value, enable_gqa, state.local_len)
     state_module.record_cp_attn_call()
+    _agree_on_step(state, query, key)
     path, plan, reason = _select_kv_exchange_path(
         state,
         state.group,
@@ -331,26 +448,10 @@ def cp_blockdiag_sdpa(
     backend, _ = _resolve_cp_varlen_config(state)
     kernel = kernels.select_kernel(backend, query.dtype, query.device)
     _log_path(path, reason, kernel, state)
-
-    kv = torch.cat((key, value), dim=1)  # one collective moves both: [1, 2 * Hkv, L, D]
-    if plan is None:
-        packed, received = exchange.allgather_kv(kv, state.group, state.cp_size, state.segments.kv_ranges)
-    else:
-        packed, received = exchange.needed_kv(path, kv, state.group, plan, state.cp_rank)
-    out, diagnostic = _attend(kernel, query, packed, key.shape[1], state, scale, dropout_p)
-    if diagnostic is not None:
-        logger.error("CP attention kernel failed on CP rank %d: %s", state.cp_rank, diagnostic)
-    failed = _failed_ranks(out is not None, state.group, query.device)
-    if failed:
-        own = f"; this rank: {diagnostic}" if diagnostic else ""
-        raise RuntimeError(
-            f"block-diagonal CP attention failed on CP rank(s) {failed} after the {path} K/V exchange "
-            f"(kernel={kernel}); every rank raises instead of falling back, which would desynchronize the "
-            f"group's collectives{own}"
-        )
-    assert out is not None
+    out = _attend(state, path, plan, kernel, query, key, value, scale, dropout_p)
+    received = plan.remote_tokens(state.cp_rank) if plan is not None else state.local_len * (state.cp_size - 1)
     global _LAST_STATS
-    bytes_per_token = kv.shape[1] * kv.shape[3] * kv.element_size()
+    bytes_per_token = 2 * key.shape[1] * key.shape[3] * key.element_size()
     _LAST_STATS = ExchangeStats(path, reason, kernel, received, received * bytes_per_token)
     return out
 

@@ -7,8 +7,9 @@ the batch builder and the recipe's config schema all derive the accepted values
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -18,8 +19,8 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
     from nemo_automodel.components.distributed.blockdiag_cp.exchange import KVPlan
-    from nemo_automodel.components.distributed.blockdiag_cp.kernels import VarlenMeta
-    from nemo_automodel.components.distributed.blockdiag_cp.layout import DocRuns, RankSegments
+    from nemo_automodel.components.distributed.blockdiag_cp.kernels import AttentionGroup, VarlenMeta
+    from nemo_automodel.components.distributed.blockdiag_cp.layout import RankSegments, ShardPlan
 
 # Canonical value -> accepted spellings (the canonical value is one of them).
 ATTN_BACKEND_SYNONYMS: dict[str, tuple[str, ...]] = {
@@ -30,19 +31,27 @@ ATTN_BACKEND_SYNONYMS: dict[str, tuple[str, ...]] = {
     "dense": ("dense", "sdpa", "torch_sdpa", "masked_sdpa"),
 }
 KV_EXCHANGE_SYNONYMS: dict[str, tuple[str, ...]] = {
+    "auto": ("auto", "cost_model"),
     "allgather": ("allgather", "all_gather", "ag"),
     "halo": ("halo", "neighbor", "neighbour", "needed", "needed_only", "p2p"),
     "a2a": ("a2a", "a2av", "all_to_all", "alltoall", "all_to_all_v", "needed_a2a"),
 }
+LAYOUT_SYNONYMS: dict[str, tuple[str, ...]] = {
+    "contiguous": ("contiguous", "contig", "sequential", "chunked"),
+    "balanced": ("balanced", "zigzag", "zig_zag", "load_balanced"),
+}
 
-# `auto` resolves per call to the fastest kernel available for the dtype/device
-# at hand (flash > te > sdpa_varlen). `halo` is needed-only and upgrades itself
-# to `a2a` when a document spans more than two ranks.
+# attn_backend `auto` resolves per call to the fastest kernel available for the
+# dtype/device at hand (flash > te > sdpa_varlen). kv_exchange `halo` is
+# needed-only and upgrades itself to `a2a` when some rank needs keys from beyond
+# its left neighbour; `auto` picks per step with the cost model (.cost).
 ATTN_BACKEND_DEFAULT = "auto"
 KV_EXCHANGE_DEFAULT = "halo"
+LAYOUT_DEFAULT = "contiguous"
 
 ATTN_BACKEND_VALUES: tuple[str, ...] = tuple(ATTN_BACKEND_SYNONYMS)
 KV_EXCHANGE_VALUES: tuple[str, ...] = tuple(KV_EXCHANGE_SYNONYMS)
+LAYOUT_VALUES: tuple[str, ...] = tuple(LAYOUT_SYNONYMS)
 
 _DEFAULT_SPELLINGS = ("", "default", "none")
 
@@ -81,34 +90,59 @@ def normalize_kv_exchange(value: Any) -> str:
     return _normalize(value, "kv_exchange", KV_EXCHANGE_SYNONYMS, KV_EXCHANGE_DEFAULT)
 
 
+def normalize_layout(value: Any) -> str:
+    """Canonicalize a ``layout`` knob to one of :data:`LAYOUT_VALUES`."""
+    return _normalize(value, "layout", LAYOUT_SYNONYMS, LAYOUT_DEFAULT)
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
     """Process-wide defaults, used when a step state carries no snapshot."""
 
     attn_backend: str = ATTN_BACKEND_DEFAULT
     kv_exchange: str = KV_EXCHANGE_DEFAULT
+    layout: str = LAYOUT_DEFAULT
+    overlap: bool = True
 
 
 _RUNTIME_CONFIG = RuntimeConfig()
 
 
-def configure_cp_varlen(*, attn_backend: str | None = None, kv_exchange: str | None = None) -> None:
+def configure_cp_varlen(
+    *,
+    attn_backend: str | None = None,
+    kv_exchange: str | None = None,
+    layout: str | None = None,
+    overlap: bool = True,
+) -> None:
     """Set the process-wide block-diagonal CP defaults.
 
-    Both values are validated before anything changes, so a bad value leaves
-    the previous configuration in place.
+    Every value is validated before anything changes, so a bad value leaves the
+    previous configuration in place.
 
     Args:
         attn_backend: Kernel name or synonym (``None``/``""``/``"default"`` -> ``auto``).
         kv_exchange: Exchange name or synonym (``None``/``""``/``"default"`` -> ``halo``).
+        layout: ``contiguous`` or ``balanced`` (``None`` -> ``contiguous``).
+        overlap: Compute local-key segments while the K/V exchange is in flight.
     """
     global _RUNTIME_CONFIG
-    _RUNTIME_CONFIG = RuntimeConfig(normalize_attn_backend(attn_backend), normalize_kv_exchange(kv_exchange))
+    _RUNTIME_CONFIG = RuntimeConfig(
+        normalize_attn_backend(attn_backend),
+        normalize_kv_exchange(kv_exchange),
+        normalize_layout(layout),
+        bool(overlap),
+    )
 
 
-def cp_varlen_runtime_config() -> dict[str, str]:
-    """Return the configured ``{"attn_backend": ..., "kv_exchange": ...}`` (canonical)."""
-    return {"attn_backend": _RUNTIME_CONFIG.attn_backend, "kv_exchange": _RUNTIME_CONFIG.kv_exchange}
+def cp_varlen_runtime_config() -> dict[str, Any]:
+    """Return the configured ``{"attn_backend", "kv_exchange", "layout", "overlap"}`` (canonical)."""
+    return {
+        "attn_backend": _RUNTIME_CONFIG.attn_backend,
+        "kv_exchange": _RUNTIME_CONFIG.kv_exchange,
+        "layout": _RUNTIME_CONFIG.layout,
+        "overlap": _RUNTIME_CONFIG.overlap,
+    }
 
 
 @dataclass
@@ -118,12 +152,14 @@ class StepCache:
     Attributes:
         kv_plan: The replicated exchange plan (set on the first needed-only call).
         preflight: ``(backend, dtype, device, query_len, key_len) -> (ok, reason)``.
-        path: The ``(path, reason)`` chosen by the first attention call of the step.
+        agreed: Call signatures (shapes, dtype) whose step-start agreement check passed.
+        auto_choice: ``kv_exchange=auto``'s ``(path, reason)`` for this step.
     """
 
     kv_plan: KVPlan | None = None
     preflight: dict[tuple[str, str, str, int, int], tuple[bool, str | None]] = field(default_factory=dict)
-    path: tuple[str, str] | None = None
+    agreed: set[tuple[Any, ...]] = field(default_factory=set)
+    auto_choice: tuple[str, str] | None = None
 
 
 @dataclass
@@ -132,22 +168,29 @@ class StepState:
 
     Public, model-facing fields: ``doc_ids``, ``packed_cu_seqlens``,
     ``packed_cu_seqlens_cpu``, ``row_offset``, ``local_len``, ``cp_rank``,
-    ``cp_size`` and ``group``.
+    ``cp_size``, ``group`` and ``shard_plan`` (``shard_plan.permutation`` maps
+    physical to original positions under the balanced layout).
 
     Attributes:
         group: The CP process group (``None`` only when ``cp_size == 1``).
         cp_rank: This rank's index in the CP group.
         cp_size: Number of CP ranks.
-        doc_ids: Replicated per-position document ids ``[B, S_full]`` (0 == pad).
-        row_offset: Global position of this rank's first local row.
+        doc_ids: Replicated per-position document ids ``[B, S_full]`` in physical order (0 == pad).
+        row_offset: Physical position of this rank's first local row (``cp_rank * local_len``);
+            under the contiguous layout also its original position.
         local_len: Local rows per rank ``L = S_full / cp_size``.
-        runs: Host-side document runs of the packed row (shared by all ranks).
-        segments: This rank's local document segments and needed K/V ranges.
-        varlen_meta: This rank's kernel metadata (cu_seqlens etc.).
-        packed_cu_seqlens: Global boundaries of the padded sequence ``[n_runs + 1]`` (device).
+        shard_plan: Where every document piece lives (identical on every rank).
+        segments: This rank's local segments and the keys they need.
+        varlen_meta: Kernel metadata of all this rank's segments over its ``L`` rows.
+        groups: This rank's attention groups (local keys first, then remote keys).
+        merge_index: Row permutation restoring local order after concatenating the
+            groups' outputs and the padding rows (``None``: already in order).
+        packed_cu_seqlens: Boundaries of the physical row ``[n_runs + 1]`` (device): documents
+            (pieces, under the balanced layout) and padding runs.
         packed_cu_seqlens_cpu: The same boundaries on the host.
         attn_backend: Snapshot of the kernel knob (``None`` -> module config).
         kv_exchange: Snapshot of the exchange knob (``None`` -> module config).
+        overlap: Compute local-key segments while the exchange is in flight.
         cache: Per-step memo (plan, preflight results).
     """
 
@@ -157,13 +200,16 @@ class StepState:
     doc_ids: torch.Tensor
     row_offset: int
     local_len: int
-    runs: DocRuns
+    shard_plan: ShardPlan
     segments: RankSegments
     varlen_meta: VarlenMeta | None
+    groups: tuple[AttentionGroup, ...]
+    merge_index: torch.Tensor | None
     packed_cu_seqlens: torch.Tensor
     packed_cu_seqlens_cpu: torch.Tensor
     attn_backend: str | None = None
     kv_exchange: str | None = None
+    overlap: bool = True
     cache: StepCache = field(default_factory=StepCache)
 
 
@@ -198,6 +244,16 @@ class ThreadSharedSlot(Generic[T]):
 
 
 _STEP_STATE: ThreadSharedSlot[StepState] = ThreadSharedSlot()
+
+
+@contextlib.contextmanager
+def activate_step_state(step_state: StepState) -> Iterator[StepState]:
+    """Make ``step_state`` the active one; restore the previous state on exit, also on exceptions."""
+    token = _STEP_STATE.set(step_state)
+    try:
+        yield step_state
+    finally:
+        _STEP_STATE.reset(token)
 
 
 def current_step_state() -> StepState | None:
