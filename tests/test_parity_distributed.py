@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tests.cases import LAYOUTS, Case, attend_cases, compare, layout
 from tests.reference import doc_ids_from_lengths
 
-EXCHANGES = ("allgather", "halo", "a2a")
+EXCHANGES = ("allgather", "halo", "a2a", "auto")
 CPU_KERNELS = ("sdpa_varlen", "dense")
 HEADS = ((4, 2), (2, 2))
 

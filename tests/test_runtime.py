@@ -363,3 +363,52 @@ def test_path_is_logged_once_at_info_and_stats_describe_the_call(pools):
         assert stats["exchange_calls"] >= 3 and stats["exchange_wait_s"] >= 0.0
         # fused [K; V]: 2 * Hkv heads x D x 4 bytes per received token
         assert stats["kv_bytes_received"] == stats["kv_tokens_received"] * 2 * 2 * 8 * 4
+
+
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("injected backward failure")
+
+
+def _fail_backward_on(rank, kv_exchange):
+    ctx, shard = _step(layout("straddle", 2), kv_exchange=kv_exchange, attn_backend="sdpa_varlen")
+    q, k, v = _local_qkv(shard, requires_grad=True)
+    real = kernels.KERNELS["sdpa_varlen"].fn
+
+    def failing(*args):
+        return _FailingBackward.apply(real(*args))
+
+    with _kernel("sdpa_varlen", fn=failing if dist.get_rank() == rank else real), ctx():
+        out = cp_blockdiag_sdpa(q, k, v, enable_gqa=True)
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("kv_exchange", ["allgather", "halo", "a2a"])
+def test_backward_kernel_failure_on_one_rank_makes_every_rank_raise(pools, kv_exchange):
+    results = pools.get(2).run(_fail_backward_on, 1, kv_exchange, timeout=60)
+    assert all(not r.ok and r.error_type == "RuntimeError" for r in results), [r.message for r in results]
+    assert all("backward failed on CP rank(s) [1]" in r.message for r in results)
+    assert "injected backward failure" in results[1].message
+    pools.ensure_healthy(2)
+
+
+def _auto_paths(name, shard_layout):
+    ctx, shard = _step(layout(name, 3), kv_exchange="auto", layout=shard_layout)
+    q, k, v = _local_qkv(shard)
+    with _captured(runtime.logger) as logs, ctx():
+        cp_blockdiag_sdpa(q, k, v, enable_gqa=True)
+    return exchange_stats()["path"], exchange_stats()["reason"], [m for _, m in logs if "kv_exchange=auto" in m]
+
+
+@pytest.mark.parametrize("name", ["straddle", "spans_many"])
+@pytest.mark.parametrize("shard_layout", ["contiguous", "balanced"])
+def test_auto_exchange_picks_one_path_on_every_rank_and_logs_its_prediction(pools, name, shard_layout):
+    results = pools.get(3).run_ok(_auto_paths, name, shard_layout)
+    assert len({(path, reason) for path, reason, _ in results}) == 1
+    path, reason, _ = results[0]
+    assert path in ("allgather", "halo", "a2a") and "predicted" in reason

@@ -32,6 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nemo_automodel.components.distributed.blockdiag_cp.layout import ShardPlan
+
 # (owner rank, start inside the owner's local chunk, length)
 Piece = tuple[int, int, int]
 # (start inside a local chunk, length)
@@ -107,16 +109,13 @@ def _split_by_owner(start: int, end: int, local_len: int) -> list[Piece]:
     return out
 
 
-def compute_kv_plan(remote_kv_ranges: list[tuple[tuple[int, int], ...]], local_len: int) -> KVPlan:
-    """Build the exchange plan (no communication).
-
-    Args:
-        remote_kv_ranges: For every rank, the physical key ranges of its remote
-            group in packed order (empty for a rank without remote segments).
-        local_len: Rows per rank ``L``.
-    """
-    pieces = tuple(tuple(p for s, e in ranges for p in _split_by_owner(s, e, local_len)) for ranges in remote_kv_ranges)
-    return KVPlan(len(remote_kv_ranges), local_len, pieces)
+def compute_kv_plan(shard: ShardPlan) -> KVPlan:
+    """The exchange plan of ``shard``: what every rank's remote segments need (no communication)."""
+    pieces = []
+    for seg in shard.all_segments:
+        ranges = seg.packed_ranges(seg.split_local_remote()[1])
+        pieces.append(tuple(p for s, e in ranges for p in _split_by_owner(s, e, shard.local_len)))
+    return KVPlan(shard.cp, shard.local_len, tuple(pieces))
 
 
 def _gather_spans(x: torch.Tensor, spans: list[Span]) -> torch.Tensor:

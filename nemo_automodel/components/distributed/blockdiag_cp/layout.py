@@ -261,7 +261,11 @@ class RankSegments:
     @property
     def attention_work(self) -> int:
         """(query, key) pairs the real local rows attend to."""
-        return sum(pair_count(k - q, k) for q, k in zip(self.q_lens, self.k_lens))
+        return self.work_of(range(len(self.q_lens)))
+
+    def work_of(self, members: Iterable[int]) -> int:
+        """(query, key) pairs of the ``members`` segments."""
+        return sum(pair_count(self.k_lens[i] - self.q_lens[i], self.k_lens[i]) for i in members)
 
 
 @dataclass(frozen=True)

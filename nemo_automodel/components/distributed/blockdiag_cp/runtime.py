@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from nemo_automodel.components.distributed.blockdiag_cp import consensus, exchange, kernels
+from nemo_automodel.components.distributed.blockdiag_cp import consensus, cost, exchange, kernels
 from nemo_automodel.components.distributed.blockdiag_cp import state as state_module
 from nemo_automodel.components.distributed.blockdiag_cp.consensus import CallStatus, group_size
 from nemo_automodel.components.distributed.blockdiag_cp.exchange import ExchangeOp, KVPlan
@@ -62,6 +62,7 @@ class _WaitClock:
 
 _LAST_STATS: ExchangeStats | None = None
 _CLOCK = _WaitClock()
+_LAST_AUTO_PATH: str | None = None
 
 
 def exchange_stats() -> dict[str, Any] | None:
@@ -234,6 +235,9 @@ def _select_kv_exchange_path(
         if not ok:
             return "allgather", None, f"needed-only preflight failed: {why}"
     plan = _kv_plan(state)
+    if kv_exchange == "auto":
+        path, reason = _auto_choice(state, plan, device)
+        return path, None if path == "allgather" else plan, reason
     if kv_exchange == "a2a":
         return "a2a", plan, "kv_exchange=a2a (configured)"
     if plan.use_halo:
@@ -241,11 +245,23 @@ def _select_kv_exchange_path(
     return "a2a", plan, "kv_exchange=halo upgraded to a2a: some rank needs keys from beyond its left neighbour"
 
 
+def _auto_choice(state: StepState, plan: KVPlan, device: torch.device) -> tuple[str, str]:
+    """``kv_exchange=auto``: the cost model's path for this step (same on every rank: replicated inputs)."""
+    if state.cache.auto_choice is None:
+        machine = cost.MACHINES.get(torch.device(device).type, cost.MACHINES["cuda"])
+        path, reason, _ = cost.choose(state.shard_plan, plan, state.cache.shape or cost.Shape(), machine, state.overlap)
+        state.cache.auto_choice = (path, reason)
+        global _LAST_AUTO_PATH
+        if path != _LAST_AUTO_PATH:  # log the choice whenever it changes from one step to the next
+            _LAST_AUTO_PATH = path
+            logger.info("%s", reason)
+    return state.cache.auto_choice
+
+
 def _kv_plan(state: StepState) -> KVPlan:
     """The step's replicated exchange plan, computed once and reused by every layer and by recompute."""
     if state.cache.kv_plan is None:
-        remote = [seg.packed_ranges(seg.split_local_remote()[1]) for seg in state.shard_plan.all_segments]
-        state.cache.kv_plan = exchange.compute_kv_plan(remote, state.local_len)
+        state.cache.kv_plan = exchange.compute_kv_plan(state.shard_plan)
     return state.cache.kv_plan
 
 
@@ -435,6 +451,7 @@ def cp_blockdiag_sdpa(
     kernels.validate_qkv(query, key, value, enable_gqa, state.local_len)
     state_module.record_cp_attn_call()
     _agree_on_step(state, query, key)
+    state.cache.shape = cost.Shape(query.shape[1], key.shape[1], query.shape[3], query.element_size())
     path, plan, reason = _select_kv_exchange_path(
         state,
         state.group,

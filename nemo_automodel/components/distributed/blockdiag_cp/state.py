@@ -18,6 +18,7 @@ import torch
 if TYPE_CHECKING:
     import torch.distributed as dist
 
+    from nemo_automodel.components.distributed.blockdiag_cp.cost import Shape
     from nemo_automodel.components.distributed.blockdiag_cp.exchange import KVPlan
     from nemo_automodel.components.distributed.blockdiag_cp.kernels import AttentionGroup, VarlenMeta
     from nemo_automodel.components.distributed.blockdiag_cp.layout import RankSegments, ShardPlan
@@ -154,12 +155,14 @@ class StepCache:
         preflight: ``(backend, dtype, device, query_len, key_len) -> (ok, reason)``.
         agreed: Call signatures (shapes, dtype) whose step-start agreement check passed.
         auto_choice: ``kv_exchange=auto``'s ``(path, reason)`` for this step.
+        shape: The attention shape of the current call (for the cost model).
     """
 
     kv_plan: KVPlan | None = None
     preflight: dict[tuple[str, str, str, int, int], tuple[bool, str | None]] = field(default_factory=dict)
     agreed: set[tuple[Any, ...]] = field(default_factory=set)
     auto_choice: tuple[str, str] | None = None
+    shape: Shape | None = None
 
 
 @dataclass

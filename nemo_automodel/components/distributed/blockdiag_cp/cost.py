@@ -1,0 +1,131 @@
+"""One cost model for choosing a K/V exchange: used by ``kv_exchange=auto`` and by the planner.
+
+Inputs are replicated (the shard plan, the exchange plan, the attention shape),
+so every rank predicts the same costs and picks the same path.
+
+Per rank and per training step of one attention layer (forward + backward):
+
+- compute = attention work (query-key pairs) x heads x head_dim x ``seconds_per_pair_dim``;
+- exchange = messages x ``latency_s`` + bytes x 1 / ``bytes_per_s``, twice (the
+  backward mirrors the forward): ``allgather`` is a ring of ``cp - 1`` steps of ``L``
+  tokens; ``halo`` one message each way; ``a2a`` one message per peer;
+- exposed exchange = what the local-key segments' compute cannot hide (overlap);
+- step = max over ranks of compute + exposed exchange (the slowest rank sets the pace).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nemo_automodel.components.distributed.blockdiag_cp.exchange import KVPlan
+from nemo_automodel.components.distributed.blockdiag_cp.layout import ShardPlan
+
+PATHS = ("allgather", "halo", "a2a")
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Link and kernel speed of the CP group's devices.
+
+    Attributes:
+        latency_s: Fixed cost of one message (one collective step).
+        bytes_per_s: Bytes per second a rank receives.
+        seconds_per_pair_dim: Attention forward + backward time per (query, key) pair,
+            per head and per head-dim element.
+    """
+
+    latency_s: float
+    bytes_per_s: float
+    seconds_per_pair_dim: float
+
+
+# Calibrated on this project's machines (CPU: gloo over loopback, one thread per
+# rank; benchmarks/cp_attention.py) and from public H100/H200 figures (NVLink,
+# FlashAttention bf16). Only the ranking of paths matters for `auto`.
+MACHINES = {
+    "cpu": Machine(latency_s=1e-4, bytes_per_s=2e9, seconds_per_pair_dim=1.6e-10),
+    "cuda": Machine(latency_s=2e-5, bytes_per_s=1.5e11, seconds_per_pair_dim=3.5e-14),
+}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Attention shape: query heads, K/V heads, head dim and bytes per element."""
+
+    heads: int = 8
+    kv_heads: int = 8
+    head_dim: int = 128
+    elem_bytes: int = 2
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of one token's fused ``[K; V]``."""
+        return 2 * self.kv_heads * self.head_dim * self.elem_bytes
+
+
+@dataclass(frozen=True)
+class PathCost:
+    """Predicted cost of one exchange path; per-rank lists are indexed by CP rank."""
+
+    path: str
+    recv_tokens: tuple[int, ...]
+    messages: tuple[int, ...]
+    compute_s: tuple[float, ...]
+    exchange_s: tuple[float, ...]
+    exposed_s: tuple[float, ...]
+
+    @property
+    def step_s(self) -> float:
+        """Predicted time of the slowest rank (compute + exposed exchange)."""
+        return max(c + e for c, e in zip(self.compute_s, self.exposed_s))
+
+
+def _recv_and_messages(path: str, shard: ShardPlan, kv: KVPlan, rank: int) -> tuple[int, int, int]:
+    """``(tokens received, tokens sent, messages)`` of one direction of ``path`` on ``rank``."""
+    cp, local = shard.cp, shard.local_len
+    if path == "allgather":
+        return (cp - 1) * local, (cp - 1) * local, cp - 1
+    recv = kv.remote_tokens(rank)
+    sent = sum(kv.recv_count(dst, rank) for dst in range(cp))
+    if path == "halo":
+        return recv, sent, int(recv > 0 or sent > 0)
+    return recv, sent, kv.peers(rank) + sum(1 for dst in range(cp) if kv.recv_count(dst, rank))
+
+
+def predict(path: str, shard: ShardPlan, kv: KVPlan, shape: Shape, machine: Machine, overlap: bool = True) -> PathCost:
+    """Predict ``path``'s per-rank compute, exchange and exposed exchange time."""
+    recv, msgs, compute, exchange, exposed = [], [], [], [], []
+    per_pair = shape.heads * shape.head_dim * machine.seconds_per_pair_dim
+    for rank, seg in enumerate(shard.all_segments):
+        tokens_in, tokens_out, messages = _recv_and_messages(path, shard, kv, rank)
+        one_way = messages * machine.latency_s + max(tokens_in, tokens_out) * shape.kv_bytes_per_token / (
+            machine.bytes_per_s
+        )
+        hidden_by = seg.work_of(seg.split_local_remote()[0]) * per_pair if overlap else 0.0
+        recv.append(tokens_in)
+        msgs.append(messages)
+        compute.append(seg.attention_work * per_pair)
+        exchange.append(2 * one_way)
+        exposed.append(max(0.0, 2 * one_way - hidden_by))
+    return PathCost(path, tuple(recv), tuple(msgs), tuple(compute), tuple(exchange), tuple(exposed))
+
+
+def candidate_paths(kv: KVPlan) -> tuple[str, ...]:
+    """Paths that can deliver ``kv``'s keys (``halo`` only when every rank needs its left neighbour alone)."""
+    return PATHS if kv.use_halo else ("allgather", "a2a")
+
+
+def choose(
+    shard: ShardPlan, kv: KVPlan, shape: Shape, machine: Machine, overlap: bool = True
+) -> tuple[str, str, list[PathCost]]:
+    """Pick the path with the lowest predicted step time.
+
+    Returns:
+        ``(path, reason, costs)``; ties prefer needed-only paths (less memory).
+    """
+    costs = [predict(p, shard, kv, shape, machine, overlap) for p in candidate_paths(kv)]
+    preference = {"halo": 0, "a2a": 1, "allgather": 2}
+    best = min(costs, key=lambda c: (round(c.step_s, 12), preference[c.path]))
+    others = ", ".join(f"{c.path} {c.step_s * 1e3:.3g} ms" for c in costs if c is not best)
+    reason = f"kv_exchange=auto: {best.path} predicted {best.step_s * 1e3:.3g} ms per layer step ({others})"
+    return best.path, reason, costs

@@ -1,0 +1,186 @@
+"""Planner: what each layout and K/V exchange would cost, before renting a cluster.
+
+Library: :func:`plan_rows` evaluates every layout x exchange for a packed row with
+the same shard plans, exchange plans and cost model the runtime uses (one cost
+model, not two). Command line::
+
+    python -m nemo_automodel.components.distributed.blockdiag_cp.plan --cp 8 --seq-len 131072 \\
+        --doc-lens 30000,2000,1500 [--heads 32 --kv-heads 8 --head-dim 128 --dtype bf16 --device cuda]
+    python -m nemo_automodel.components.distributed.blockdiag_cp.plan --cp 8 --seq-len 131072 \\
+        --data train.jsonl [--tokenizer /local/hf_tokenizer_dir] [--rows 8]
+
+Figures per layout and exchange (per CP rank, one attention layer, forward + backward):
+K/V tokens and bytes received (max and mean over ranks), the lower bound
+(needed keys living on other ranks), the balance (max/mean attention work) and
+the predicted step time relative to the best combination.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from nemo_automodel.components.distributed.blockdiag_cp import cost
+from nemo_automodel.components.distributed.blockdiag_cp.exchange import compute_kv_plan
+from nemo_automodel.components.distributed.blockdiag_cp.layout import (
+    LAYOUTS,
+    DocRuns,
+    doc_runs_from_lengths,
+    make_shard_plan,
+)
+
+_DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One layout x exchange of one packed row."""
+
+    layout: str
+    path: str
+    balance: float
+    recv_max: int
+    recv_mean: float
+    bytes_max: int
+    bound_max: int
+    bound_mean: float
+    step_s: float
+    auto_pick: bool
+
+
+def plan_rows(
+    runs: DocRuns, cp: int, shape: cost.Shape, machine: cost.Machine, layouts: Iterable[str] = LAYOUTS
+) -> list[PlanRow]:
+    """Every layout x exchange for one row padded to a multiple of ``2 * cp``."""
+    runs = runs.padded_to(runs.total_len + (-runs.total_len) % (2 * cp))
+    rows = []
+    for layout in layouts:
+        shard = make_shard_plan(runs, cp, layout)
+        kv = compute_kv_plan(shard)
+        bounds = [seg.remote_kv_tokens for seg in shard.all_segments]
+        auto, _, costs = cost.choose(shard, kv, shape, machine)
+        for c in costs:
+            rows.append(
+                PlanRow(
+                    layout=layout,
+                    path=c.path,
+                    balance=shard.balance,
+                    recv_max=max(c.recv_tokens),
+                    recv_mean=statistics.fmean(c.recv_tokens),
+                    bytes_max=max(c.recv_tokens) * shape.kv_bytes_per_token,
+                    bound_max=max(bounds),
+                    bound_mean=statistics.fmean(bounds),
+                    step_s=c.step_s,
+                    auto_pick=c.path == auto,
+                )
+            )
+    return rows
+
+
+def format_table(rows: list[PlanRow]) -> str:
+    """A markdown table; ``step`` is relative to the best row."""
+    best = min(r.step_s for r in rows)
+    lines = [
+        "| layout | kv_exchange | balance | KV recv/rank max | mean | MiB recv max | lower bound max | mean "
+        "| predicted step | relative | auto |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.layout} | {r.path} | {r.balance:.3f} | {r.recv_max} | {r.recv_mean:.0f} | "
+            f"{r.bytes_max / 2**20:.1f} | {r.bound_max} | {r.bound_mean:.0f} | {r.step_s * 1e3:.3g} ms | "
+            f"{r.step_s / best:.2f}x | {'<-' if r.auto_pick else ''} |"
+        )
+    return "\n".join(lines)
+
+
+def _pack(lengths: list[int], seq_len: int) -> list[list[int]]:
+    """Rows of document lengths: first-fit-decreasing; documents longer than a row are cut into row-sized parts."""
+    parts = [min(seq_len, n - start) for n in lengths for start in range(0, n, seq_len)]
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for n in sorted(parts, reverse=True):
+        at = next((i for i, r in enumerate(room) if r >= n), None)
+        if at is None:
+            rows.append([n])
+            room.append(seq_len - n)
+        else:
+            rows[at].append(n)
+            room[at] -= n
+    return rows
+
+
+def _lengths_from_jsonl(path: str, tokenizer: str | None) -> list[int]:
+    """Token count of every ``{"text": ...}`` line (+1 for EOS): UTF-8 bytes, or an HF tokenizer from a local dir."""
+    encode = _byte_tokens
+    if tokenizer:
+        from transformers import AutoTokenizer
+
+        encode = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True).encode
+    with open(path, encoding="utf-8") as f:
+        return [len(encode(json.loads(line)["text"])) + 1 for line in f if line.strip()]
+
+
+def _byte_tokens(text: str) -> bytes:
+    return text.encode("utf-8")
+
+
+def _average(tables: list[list[PlanRow]]) -> list[PlanRow]:
+    """Row-wise mean over several packed rows (auto marks the path chosen most often)."""
+    out = []
+    for group in zip(*tables):
+        first = group[0]
+        out.append(
+            PlanRow(
+                layout=first.layout,
+                path=first.path,
+                balance=statistics.fmean(r.balance for r in group),
+                recv_max=max(r.recv_max for r in group),
+                recv_mean=statistics.fmean(r.recv_mean for r in group),
+                bytes_max=max(r.bytes_max for r in group),
+                bound_max=max(r.bound_max for r in group),
+                bound_mean=statistics.fmean(r.bound_mean for r in group),
+                step_s=statistics.fmean(r.step_s for r in group),
+                auto_pick=sum(r.auto_pick for r in group) * 2 >= len(group),
+            )
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cp", type=int, required=True, help="CP size")
+    parser.add_argument("--seq-len", type=int, required=True, help="packed row length")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--doc-lens", help="comma-separated document lengths of one packed row")
+    source.add_argument("--data", help="JSONL file with a 'text' field per line")
+    parser.add_argument("--tokenizer", help="local Hugging Face tokenizer dir (default: bytes)")
+    parser.add_argument("--rows", type=int, default=8, help="packed rows to evaluate from --data")
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", default="bf16", choices=sorted(_DTYPE_BYTES))
+    parser.add_argument("--device", default="cuda", choices=sorted(cost.MACHINES))
+    args = parser.parse_args(argv)
+    shape = cost.Shape(args.heads, args.kv_heads, args.head_dim, _DTYPE_BYTES[args.dtype])
+    machine = cost.MACHINES[args.device]
+    if args.doc_lens:
+        lengths = [int(x) for x in args.doc_lens.split(",") if x.strip()]
+        if sum(lengths) > args.seq_len:
+            parser.error(f"--doc-lens add up to {sum(lengths)} tokens, more than --seq-len {args.seq_len}")
+        packed = [lengths]
+    else:
+        packed = _pack(_lengths_from_jsonl(args.data, args.tokenizer), args.seq_len)[: args.rows]
+    tables = [plan_rows(doc_runs_from_lengths(row, args.seq_len), args.cp, shape, machine) for row in packed]
+    print(
+        f"cp={args.cp} seq_len={args.seq_len} rows={len(tables)} docs/row={statistics.fmean(map(len, packed)):.1f} "
+        f"heads={args.heads}/{args.kv_heads} head_dim={args.head_dim} dtype={args.dtype} device={args.device}"
+    )
+    print(format_table(_average(tables)))
+
+
+if __name__ == "__main__":
+    main()
