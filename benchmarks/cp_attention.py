@@ -1,9 +1,9 @@
-"""Benchmark one attention block under block-diagonal CP: every exchange x kernel, side by side.
+"""Benchmark one attention block under block-diagonal CP: layouts x exchanges x kernels, side by side.
 
 One block = q/k/v/o projections + ``cp_blockdiag_sdpa``; each iteration is forward
 plus ``out.sum().backward()``. Every combination runs in its own set of ``cp``
 gloo processes (so peak RSS is per combination) with the same thread count per
-rank. Reported per combination:
+rank. Reported per combination (definitions: ../shared/notes/metrics.md):
 
 - time: median over the timed iterations of the slowest rank's iteration time,
   and its ratio to the baselines measured in the same run: ``allgather`` + ``dense``
@@ -11,13 +11,18 @@ rank. Reported per combination:
   ``allgather`` + ``upstream_dense`` (what the upstream system does without
   flash/TE: all-gathered K/V, a full ``[L, S]`` mask, SDPA restricted to the
   efficient/math kernels, i.e. math on CPU; benchmark-only, not a product kernel);
+- balance: max/mean attention work over ranks for the layout;
 - peak RSS per rank (``ru_maxrss``) and the RSS of a bare worker before any work;
-- K/V tokens received / the lower bound (needed keys living on other ranks).
+- K/V tokens received / the lower bound (needed keys living on other ranks);
+- overlap: exchange time hidden / exchange time. The exchange time is the layer's
+  forward + backward exchange run alone (barrier, then post and wait, median of 5);
+  the hidden time is how much shorter the iteration is with overlap on than off
+  (medians, slowest rank), so the fraction is clamped to [0, 1].
 
 Usage::
 
     python benchmarks/cp_attention.py --workload W8K
-    python benchmarks/cp_attention.py --workload S131K --combos halo:sdpa_varlen,a2a:sdpa_varlen
+    python benchmarks/cp_attention.py --workload DOC131K --combos contiguous:halo:sdpa_varlen,balanced:a2a:sdpa_varlen
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import resource
 import socket
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -40,14 +45,17 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
 from nemo_automodel.components.distributed.blockdiag_cp import (
+    configure_cp_varlen,
     cp_blockdiag_sdpa,
+    exchange,
     exchange_stats,
     make_cp_blockdiag_batch_and_ctx,
 )
-from nemo_automodel.components.distributed.blockdiag_cp.layout import doc_runs_from_lengths, rank_segments
+from nemo_automodel.components.distributed.blockdiag_cp.layout import doc_runs_from_lengths, make_shard_plan
 
-BASELINE = ("allgather", "dense")
-UPSTREAM = ("allgather", "upstream_dense")
+BASELINE = ("contiguous", "allgather", "dense")
+UPSTREAM = ("contiguous", "allgather", "upstream_dense")
+EXCHANGES = ("allgather", "halo", "a2a", "auto")
 
 
 def sft_mix(total: int, seed: int = 0, max_len: int = 16384) -> tuple[int, ...]:
@@ -71,13 +79,18 @@ class Workload:
     cp: int = 2
     warmup: int = 1
     iters: int = 5
+    kernels: tuple[str, ...] = ("sdpa_varlen",)
 
 
 WORKLOADS = {
     # ../shared/notes/metrics.md: cp=2, fp32, Hq=8, Hkv=4, D=64, S=8192, docs 3000,2000,1500,1000 then padding.
-    "W8K": Workload(8192, (3000, 2000, 1500, 1000)),
-    # A realistic long-tailed mix at 131072 tokens; too slow on CPU for many iterations.
-    "S131K": Workload(131072, sft_mix(131072), warmup=1, iters=2),
+    "W8K": Workload(8192, (3000, 2000, 1500, 1000), kernels=("dense", "sdpa_varlen")),
+    # Long-tailed SFT mixes with documents longer than a shard. At 131072 tokens the
+    # heads are reduced (2/1 x 32) so that CPU iterations take seconds, not minutes.
+    "MIX32K": Workload(32768, sft_mix(32768, seed=1, max_len=24576), iters=3),
+    "MIX131K": Workload(131072, sft_mix(131072, seed=2, max_len=98304), heads=2, kv_heads=1, head_dim=32, iters=2),
+    # One document filling the row: the contiguous layout's worst case (1 x 1 x 16 heads for CPU time).
+    "DOC131K": Workload(131072, (131072,), heads=1, kv_heads=1, head_dim=16, iters=2),
 }
 
 
@@ -133,25 +146,30 @@ def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def _worker(rank: int, port: int, work: Workload, kv_exchange: str, backend: str, threads: int, results: Any) -> None:
-    torch.set_num_threads(threads)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=work.cp, init_method=f"tcp://127.0.0.1:{port}", timeout=timedelta(minutes=30)
-    )
-    bare_rss = _rss_mib()
-    torch.manual_seed(0)
-    upstream = backend == UPSTREAM[1]
-    block = AttentionBlock(work.heads, work.kv_heads, work.head_dim, upstream=upstream)
+@dataclass(frozen=True)
+class Combo:
+    """One benchmarked combination."""
+
+    layout: str
+    kv_exchange: str
+    backend: str
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.layout, self.kv_exchange, self.backend)
+
+
+def _packed_ids(work: Workload) -> torch.Tensor:
+    """Document ids ``[1, S]`` of the workload's row (padding tail = 0)."""
     ids = torch.zeros(1, work.seq_len, dtype=torch.long)
     runs = doc_runs_from_lengths(list(work.doc_lens), work.seq_len)
     for i, (s, e) in enumerate(zip(runs.starts, runs.ends)):
         ids[0, s:e] = i + 1
-    mesh = init_device_mesh("cpu", (work.cp,), mesh_dim_names=("cp",))
-    batch = {"input_ids": torch.zeros_like(ids), "_packed_seq_ids": ids}
-    ctx, _, shard = make_cp_blockdiag_batch_and_ctx(
-        mesh, None, batch, attn_backend="dense" if upstream else backend, kv_exchange=kv_exchange
-    )
-    x = torch.randn(1, shard.local_len, work.heads * work.head_dim, requires_grad=True)
+    return ids
+
+
+def _timed(block: torch.nn.Module, ctx: Any, x: torch.Tensor, work: Workload) -> list[float]:
+    """Wall time of every timed iteration (forward + backward)."""
     times = []
     for it in range(work.warmup + work.iters):
         dist.barrier()
@@ -160,23 +178,65 @@ def _worker(rank: int, port: int, work: Workload, kv_exchange: str, backend: str
             block(x).sum().backward()
         if it >= work.warmup:
             times.append(time.perf_counter() - start)
-    lower_bound = rank_segments(runs.padded_to(shard.padded_seq_len), rank, shard.local_len).remote_kv_tokens
+    return times
+
+
+def _exchange_alone(ctx: Any, work: Workload, local_len: int, path: str, reps: int = 5) -> float:
+    """Median seconds of one layer's forward + backward K/V exchange with nothing to overlap."""
+    samples = []
+    with ctx() as st:
+        plan = None if path == "allgather" else exchange.compute_kv_plan(st.shard_plan)
+        kv = torch.randn(1, 2 * work.kv_heads, local_len, work.head_dim)
+        for _ in range(reps):
+            op = exchange.make_exchange_op(path, st.group, st.cp_rank, st.cp_size, plan)
+            dist.barrier()
+            start = time.perf_counter()
+            op.start(kv)
+            received = op.finish()
+            op.start_backward(torch.ones_like(received))
+            op.finish_backward()
+            samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def _worker(
+    rank: int, port: int, work: Workload, combo: Combo, threads: int, overlap_baseline: bool, results: Any
+) -> None:
+    torch.set_num_threads(threads)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=work.cp, init_method=f"tcp://127.0.0.1:{port}", timeout=timedelta(minutes=30)
+    )
+    bare_rss = _rss_mib()
+    torch.manual_seed(0)
+    upstream = combo.backend == UPSTREAM[2]
+    block = AttentionBlock(work.heads, work.kv_heads, work.head_dim, upstream=upstream)
+    ids = _packed_ids(work)
+    mesh = init_device_mesh("cpu", (work.cp,), mesh_dim_names=("cp",))
+    batch = {"input_ids": torch.zeros_like(ids), "_packed_seq_ids": ids}
+    row: dict[str, Any] = {"rank": rank, "bare_rss_mib": bare_rss}
+    for overlap in (True, False) if overlap_baseline else (True,):
+        configure_cp_varlen(overlap=overlap)
+        ctx, _, shard = make_cp_blockdiag_batch_and_ctx(
+            mesh,
+            None,
+            batch,
+            attn_backend="dense" if upstream else combo.backend,
+            kv_exchange=combo.kv_exchange,
+            layout=combo.layout,
+        )
+        x = torch.randn(1, shard.local_len, work.heads * work.head_dim, requires_grad=True)
+        row["times" if overlap else "times_no_overlap"] = _timed(block, ctx, x, work)
     # the upstream baseline bypasses cp_blockdiag_sdpa: it all-gathers everything
-    fallback = {
+    row["stats"] = exchange_stats() or {
         "path": "allgather",
-        "attn_backend": backend,
+        "attn_backend": combo.backend,
         "kv_tokens_received": shard.padded_seq_len - shard.local_len,
     }
-    results.put(
-        {
-            "rank": rank,
-            "times": times,
-            "bare_rss_mib": bare_rss,
-            "peak_rss_mib": _rss_mib(),
-            "stats": exchange_stats() or fallback,
-            "lower_bound": lower_bound,
-        }
-    )
+    if overlap_baseline:
+        row["exchange_s"] = _exchange_alone(ctx, work, shard.local_len, row["stats"]["path"])
+    plan = make_shard_plan(doc_runs_from_lengths(list(work.doc_lens), shard.padded_seq_len), work.cp, combo.layout)
+    row.update(peak_rss_mib=_rss_mib(), lower_bound=plan.segments(rank).remote_kv_tokens, balance=plan.balance)
+    results.put(row)
     dist.destroy_process_group()
 
 
@@ -186,13 +246,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_combo(work: Workload, kv_exchange: str, backend: str, threads: int) -> dict[str, Any]:
-    """Run one exchange x kernel on ``work.cp`` fresh processes; return the reported figures."""
+def _slowest(ranks: list[dict[str, Any]], key: str) -> list[float]:
+    return [max(step) for step in zip(*(r[key] for r in ranks))]
+
+
+def run_combo(work: Workload, combo: Combo, threads: int, overlap_baseline: bool) -> dict[str, Any]:
+    """Run one combination on ``work.cp`` fresh processes; return the reported figures."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, port, work, kv_exchange, backend, threads, results))
+        ctx.Process(target=_worker, args=(r, port, work, combo, threads, overlap_baseline, results))
         for r in range(work.cp)
     ]
     for p in procs:
@@ -200,15 +264,14 @@ def run_combo(work: Workload, kv_exchange: str, backend: str, threads: int) -> d
     ranks = sorted((results.get() for _ in procs), key=lambda r: r["rank"])
     for p in procs:
         p.join()
-    slowest = [max(step) for step in zip(*(r["times"] for r in ranks))]
     received = [r["stats"]["kv_tokens_received"] for r in ranks]
     bounds = [r["lower_bound"] for r in ranks]
-    return {
-        "kv_exchange": kv_exchange,
-        "attn_backend": backend,
+    row = {
+        **asdict(combo),
         "path": ranks[0]["stats"]["path"],
         "kernel": ranks[0]["stats"]["attn_backend"],
-        "median_s": statistics.median(slowest),
+        "median_s": statistics.median(_slowest(ranks, "times")),
+        "balance": ranks[0]["balance"],
         "peak_rss_mib": [round(r["peak_rss_mib"]) for r in ranks],
         "bare_rss_mib": [round(r["bare_rss_mib"]) for r in ranks],
         "kv_received": received,
@@ -217,35 +280,46 @@ def run_combo(work: Workload, kv_exchange: str, backend: str, threads: int) -> d
             round(a / b, 2) if b else (1.0 if a == 0 else float("inf")) for a, b in zip(received, bounds)
         ],
     }
+    if overlap_baseline:
+        alone = max(r["exchange_s"] for r in ranks)
+        row["median_no_overlap_s"] = statistics.median(_slowest(ranks, "times_no_overlap"))
+        row["exchange_ms"] = 1e3 * alone
+        saved = row["median_no_overlap_s"] - row["median_s"]
+        row["hidden"] = min(1.0, max(0.0, saved / alone)) if alone > 0 else None
+    return row
 
 
-def _parse_combos(text: str | None, workload: str) -> list[tuple[str, str]]:
-    if text:
-        return [tuple(c.split(":")) for c in text.split(",")]  # type: ignore[misc]
-    if workload == "S131K":  # dense kernels would build an [L, K] mask of up to 8 GiB per rank
-        return [(ex, "sdpa_varlen") for ex in ("allgather", "halo", "a2a")]
-    return [UPSTREAM, BASELINE] + [
-        (ex, k) for ex in ("allgather", "halo", "a2a") for k in ("dense", "sdpa_varlen") if (ex, k) != BASELINE
-    ]
+def default_combos(work: Workload, workload: str) -> list[Combo]:
+    """Layouts x exchanges x the workload's kernels, with the baselines first where they fit in memory."""
+    combos = [Combo(*UPSTREAM), Combo(*BASELINE)] if workload == "W8K" else []
+    combos += [Combo(layout, ex, k) for layout in ("contiguous", "balanced") for ex in EXCHANGES for k in work.kernels]
+    return list(dict.fromkeys(combos))
 
 
-def _speedup(rows: list[dict[str, Any]], baseline: tuple[str, str], row: dict[str, Any]) -> str:
+def _speedup(rows: list[dict[str, Any]], baseline: tuple[str, str, str], row: dict[str, Any]) -> str:
     """``row``'s speedup over ``baseline`` measured in the same run ("n/a" when the baseline did not run)."""
-    base = next((r["median_s"] for r in rows if (r["kv_exchange"], r["attn_backend"]) == baseline), None)
+    base = next((r["median_s"] for r in rows if (r["layout"], r["kv_exchange"], r["backend"]) == baseline), None)
     return f"{base / row['median_s']:.2f}x" if base else "n/a"
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
+    best_contiguous = min(
+        (r["median_s"] for r in rows if r["layout"] == "contiguous" and r["backend"] != UPSTREAM[2]), default=None
+    )
     lines = [
-        "| kv_exchange | attn_backend | path | median s (slowest rank) | vs allgather+dense "
-        "| vs allgather+upstream_dense | peak RSS MiB/rank | KV recv / lower bound |",
-        "|---|---|---|---|---|---|---|---|",
+        "| layout | kv_exchange | kernel | path | median s | vs allgather+dense | vs upstream_dense "
+        "| vs best contiguous | balance | peak RSS MiB/rank | KV recv / lower bound | exchange ms (alone) "
+        "| overlap hidden |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        hidden = r.get("hidden")
+        vs_contig = f"{best_contiguous / r['median_s']:.2f}x" if best_contiguous else "n/a"
         lines.append(
-            f"| {r['kv_exchange']} | {r['attn_backend']} | {r['path']} | {r['median_s']:.3f} "
-            f"| {_speedup(rows, BASELINE, r)} | {_speedup(rows, UPSTREAM, r)} | {r['peak_rss_mib']} "
-            f"| {r['kv_received']} / {r['lower_bound']} = {r['received_over_bound']} |"
+            f"| {r['layout']} | {r['kv_exchange']} | {r['kernel']} | {r['path']} | {r['median_s']:.3f} "
+            f"| {_speedup(rows, BASELINE, r)} | {_speedup(rows, UPSTREAM, r)} | {vs_contig} | {r['balance']:.3f} "
+            f"| {r['peak_rss_mib']} | {r['kv_received']} / {r['lower_bound']} = {r['received_over_bound']} "
+            f"| {r.get('exchange_ms', float('nan')):.1f} | {'n/a' if hidden is None else f'{hidden:.0%}'} |"
         )
     return "\n".join(lines)
 
@@ -253,7 +327,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="W8K")
-    parser.add_argument("--combos", help="comma-separated kv_exchange:attn_backend (default: all CPU ones)")
+    parser.add_argument("--combos", help="comma-separated layout:kv_exchange:attn_backend (default: all CPU ones)")
     parser.add_argument(
         "--threads",
         type=int,
@@ -261,15 +335,21 @@ def main() -> None:
         help="torch threads per rank (same for every combination)",
     )
     parser.add_argument("--iters", type=int, help="timed iterations (default: the workload's)")
+    parser.add_argument(
+        "--no-overlap-baseline", action="store_true", help="skip the overlap-off run that measures the exchange time"
+    )
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
     work = WORKLOADS[args.workload]
     if args.iters:
-        work = Workload(**{**asdict(work), "iters": args.iters})
+        work = replace(work, iters=args.iters)
+    combos = (
+        [Combo(*c.split(":")) for c in args.combos.split(",")] if args.combos else default_combos(work, args.workload)
+    )
     rows = []
-    for kv_exchange, backend in _parse_combos(args.combos, args.workload):
-        rows.append(run_combo(work, kv_exchange, backend, args.threads))
-        print(f"done {kv_exchange}+{backend}: {rows[-1]['median_s']:.3f}s", flush=True)
+    for combo in combos:
+        rows.append(run_combo(work, combo, args.threads, not args.no_overlap_baseline))
+        print(f"done {combo.key}: {rows[-1]['median_s']:.3f}s", flush=True)
     print(
         f"\nworkload {args.workload}: S={work.seq_len} cp={work.cp} Hq={work.heads} Hkv={work.kv_heads} "
         f"D={work.head_dim} docs={len(work.doc_lens)} threads/rank={args.threads} iters={work.iters}\n"

@@ -24,7 +24,7 @@ def _check(pools, cp: int, cases: list[Case], fakes: bool = False) -> None:
 
 @pytest.mark.parametrize("cp", [2, 3, 4])
 @pytest.mark.parametrize("name", LAYOUTS)
-@pytest.mark.parametrize("shard_layout", ["contiguous", "balanced"])
+@pytest.mark.parametrize("shard_layout", ["contiguous", "balanced", "auto"])
 def test_every_exchange_and_cpu_kernel_matches_reference(pools, cp, name, shard_layout):
     ids = layout(name, cp)
     cases = [

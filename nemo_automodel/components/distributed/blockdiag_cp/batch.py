@@ -11,12 +11,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from nemo_automodel.components.distributed.blockdiag_cp import cost
 from nemo_automodel.components.distributed.blockdiag_cp import state as state_module
 from nemo_automodel.components.distributed.blockdiag_cp.kernels import (
     plan_attention_groups,
     precompute_blockdiag_varlen_meta,
 )
-from nemo_automodel.components.distributed.blockdiag_cp.layout import ShardPlan, doc_runs_from_ids, make_shard_plan
+from nemo_automodel.components.distributed.blockdiag_cp.layout import (
+    DocRuns,
+    ShardPlan,
+    doc_runs_from_ids,
+    make_shard_plan,
+)
 from nemo_automodel.components.distributed.blockdiag_cp.state import StepState
 
 # Sequence-aligned batch fields that are padded and sharded (``position_ids``
@@ -197,11 +203,11 @@ def make_cp_blockdiag_batch_and_ctx(
         padding_token_id: Fill for padded ``input_ids``.
         attn_backend: Kernel for this step (``None``: the configured value).
         kv_exchange: Exchange for this step (``None``: the configured value).
-        layout: ``contiguous`` or ``balanced`` (``None``: the configured value). The
-            balanced layout reorders whole documents (and zig-zag splits a few) so
-            every rank does the same attention work; every sequence-aligned field
+        layout: ``contiguous``, ``balanced`` or ``auto`` (``None``: the configured value).
+            The balanced layout reorders whole documents (and zig-zag splits a few)
+            so every rank does the same attention work; every sequence-aligned field
             is permuted with its tokens, so position ids, labels and loss weights
-            stay with them.
+            stay with them. ``auto`` picks per step with the cost model.
 
     Returns:
         ``(train_ctx, batch, layout)``: ``train_ctx()`` is a context manager that
@@ -242,7 +248,7 @@ def make_cp_blockdiag_batch_and_ctx(
 
     pad_len = (-seq_len) % (2 * world)
     padded_len = seq_len + pad_len
-    plan = make_shard_plan(runs.padded_to(padded_len), world, layout_name)
+    plan = _shard_plan(runs.padded_to(padded_len), world, layout_name, device, configured["overlap"])
     local_len = plan.local_len
     row_offset = rank * local_len
     positions = plan.permutation[row_offset : row_offset + local_len]
@@ -258,6 +264,14 @@ def make_cp_blockdiag_batch_and_ctx(
         return state_module.activate_step_state(step_state)
 
     return train_ctx, out, ShardLayout(seq_len, padded_len, world, rank, row_offset, local_len, plan.layout, positions)
+
+
+def _shard_plan(runs: DocRuns, cp: int, layout: str, device: torch.device, overlap: bool) -> ShardPlan:
+    """The step's shard plan; ``auto`` asks the cost model (default attention shape, the device's machine model)."""
+    if layout != "auto":
+        return make_shard_plan(runs, cp, layout)
+    machine = cost.MACHINES.get(device.type, cost.MACHINES["cuda"])
+    return cost.choose_layout(runs, cp, cost.Shape(), machine, overlap)
 
 
 def _build_step_state(

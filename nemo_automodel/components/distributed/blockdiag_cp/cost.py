@@ -1,4 +1,4 @@
-"""One cost model for choosing a K/V exchange: used by ``kv_exchange=auto`` and by the planner.
+"""One cost model for choosing a K/V exchange and a layout: ``kv_exchange=auto``, ``layout=auto``, the planner.
 
 Inputs are replicated (the shard plan, the exchange plan, the attention shape),
 so every rank predicts the same costs and picks the same path.
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nemo_automodel.components.distributed.blockdiag_cp.exchange import KVPlan
-from nemo_automodel.components.distributed.blockdiag_cp.layout import ShardPlan
+from nemo_automodel.components.distributed.blockdiag_cp.exchange import KVPlan, compute_kv_plan
+from nemo_automodel.components.distributed.blockdiag_cp.layout import LAYOUTS, DocRuns, ShardPlan, make_shard_plan
 
 PATHS = ("allgather", "halo", "a2a")
 
@@ -129,3 +129,19 @@ def choose(
     others = ", ".join(f"{c.path} {c.step_s * 1e3:.3g} ms" for c in costs if c is not best)
     reason = f"kv_exchange=auto: {best.path} predicted {best.step_s * 1e3:.3g} ms per layer step ({others})"
     return best.path, reason, costs
+
+
+def choose_layout(runs: DocRuns, cp: int, shape: Shape, machine: Machine, overlap: bool = True) -> ShardPlan:
+    """``layout=auto``: the layout whose best exchange path has the lowest predicted step time.
+
+    Both candidate plans are pure functions of the replicated document ids, so
+    every rank picks the same one. Ties keep ``contiguous`` (no permutation).
+    """
+    best: tuple[float, ShardPlan] | None = None
+    for layout in LAYOUTS:
+        shard = make_shard_plan(runs, cp, layout)
+        step = min(c.step_s for c in choose(shard, compute_kv_plan(shard), shape, machine, overlap)[2])
+        if best is None or step < best[0] * (1 - 1e-9):
+            best = (step, shard)
+    assert best is not None
+    return best[1]

@@ -12,10 +12,12 @@ Layouts (``ShardPlan.layout``):
   document the last rank does about ``2 - 1/cp`` times the mean.
 - ``balanced``: documents are independent under a block-diagonal mask, so
   their order is free. Whole documents are placed greedily by attention work,
-  and only the documents needed to reach balance are cut zig-zag into ``2 cp``
-  chunks (rank ``r`` takes chunk ``r`` and chunk ``2 cp - 1 - r``: an early,
-  cheap piece and a late, expensive one). Tokens are permuted accordingly; each
-  rank still holds exactly ``L`` rows.
+  and only the largest documents needed to reach balance are cut zig-zag over a
+  group of ``g`` ranks (``2 g`` chunks; the ``i``-th rank of the group takes chunk
+  ``i`` and chunk ``2 g - 1 - i``: an early, cheap piece and a late, expensive
+  one), with ``g`` as small as the document's tokens and work allow, so each
+  rank fetches keys of at most one document's prefix per cut. Tokens are
+  permuted accordingly; each rank still holds exactly ``L`` rows.
 
 Terms: the *physical order* is the token order after the layout's permutation;
 rank ``r`` holds physical rows ``[r * L, (r + 1) * L)``, its real tokens first and
@@ -425,23 +427,29 @@ class _Bins:
         self.pieces[rank].append(piece)
 
 
-def _zigzag(bins: _Bins, doc: int, length: int) -> bool:
-    """Cut ``doc`` into ``2 cp`` chunks; rank ``r`` takes chunk ``r`` (head) and chunk ``2 cp - 1 - r`` (tail).
+def _zigzag(bins: _Bins, doc: int, length: int, group: int) -> bool:
+    """Cut ``doc`` into ``2 * group`` chunks over the ``group`` least-loaded ranks with room.
 
-    Rank shares differ by at most one token; the extra tokens go to the ranks
-    with the most room. Returns False (placing nothing) when some rank lacks room.
+    The ``i``-th chosen rank takes chunk ``i`` (early, cheap) and chunk
+    ``2 * group - 1 - i`` (late, expensive), so each gets the same share of the
+    document's tokens and attention work. Keeping the group as small as balance
+    allows bounds the keys each rank must fetch to one document. Returns False
+    (placing nothing) when fewer than ``group`` ranks have room.
     """
-    cp = len(bins.cap)
-    roomiest = sorted(range(cp), key=lambda r: (-bins.cap[r], r))[: length % cp]
-    share = [length // cp + (r in roomiest) for r in range(cp)]
-    if any(share[r] > bins.cap[r] for r in range(cp)):
+    base, extra = divmod(length, group)
+    by_load = sorted(range(len(bins.cap)), key=lambda r: (bins.work[r], -bins.cap[r], r))
+    chosen = [r for r in by_load if bins.cap[r] >= base][:group]
+    roomiest = set(sorted(chosen, key=lambda r: (-bins.cap[r], r))[:extra])  # they take the extra tokens
+    chosen.sort()
+    shares = [base + (r in roomiest) for r in chosen]
+    if len(chosen) < group or any(n > bins.cap[r] for r, n in zip(chosen, shares)):
         return False
-    heads = [s // 2 for s in share]
-    sizes = heads + [share[r] - heads[r] for r in reversed(range(cp))]  # chunk j -> rank j or 2cp-1-j
+    heads = [n // 2 for n in shares]
+    sizes = heads + [shares[i] - heads[i] for i in reversed(range(group))]
     start = 0
     for j, size in enumerate(sizes):
         if size:
-            bins.put(j if j < cp else 2 * cp - 1 - j, DocPiece(doc, start, start + size))
+            bins.put(chosen[j] if j < group else chosen[2 * group - 1 - j], DocPiece(doc, start, start + size))
         start += size
     return True
 
@@ -462,38 +470,50 @@ def _place_whole_or_split(bins: _Bins, doc: int, length: int) -> None:
 
 
 def _greedy(
-    lengths: tuple[int, ...], order: list[int], zigzag: set[int], cp: int, local_len: int
+    lengths: tuple[int, ...], order: list[int], cut: dict[int, int], cp: int, local_len: int
 ) -> tuple[tuple[DocPiece, ...], ...] | None:
-    """Zig-zag the ``zigzag`` documents, then place the rest by descending length; ``None`` if infeasible."""
+    """Zig-zag the ``cut`` documents (``doc -> group size``), then place the rest by descending length.
+
+    Returns ``None`` when a zig-zag does not fit.
+    """
     bins = _Bins(cp, local_len)
     for doc in order:
-        if doc in zigzag and not _zigzag(bins, doc, lengths[doc]):
+        if doc in cut and not _zigzag(bins, doc, lengths[doc], cut[doc]):
             return None
     for doc in order:
-        if doc not in zigzag:
+        if doc not in cut:
             _place_whole_or_split(bins, doc, lengths[doc])
     return tuple(tuple(sorted(p, key=lambda x: (x.doc, x.start))) for p in bins.pieces)
 
 
-def balanced_pieces(runs: DocRuns, cp: int, local_len: int) -> tuple[tuple[DocPiece, ...], ...]:
-    """Pieces of the balanced layout: zig-zag the fewest largest documents that bring balance to the target.
+def _group_size(length: int, cp: int, local_len: int, target_work: float) -> int:
+    """Ranks to zig-zag a document over: enough for its tokens and its work, at least 2, at most ``cp``."""
+    by_tokens = -(-length // local_len)
+    by_work = -(-pair_count(0, length) // max(1, int(target_work)))
+    return max(2, min(cp, max(by_tokens, by_work)))
 
-    The count of zig-zagged documents is searched by doubling, then bisection,
-    over the documents long enough to cut (``>= 2 cp`` tokens); every candidate
-    placement is a cheap greedy pass, so the whole search costs milliseconds.
+
+Pieces = tuple[tuple[DocPiece, ...], ...]
+
+
+def _fewest_cuts(
+    lengths: tuple[int, ...], order: list[int], groups: dict[int, int], cp: int, local_len: int
+) -> tuple[float, Pieces]:
+    """Best placement cutting the fewest largest documents (with the given group sizes) that reaches the target.
+
+    The count of cut documents is searched by doubling, then bisection; every
+    candidate is one greedy pass.
     """
-    lengths = runs.lengths
-    order = sorted(range(len(lengths)), key=lambda d: (-lengths[d], d))
-    cuttable = [d for d in order if lengths[d] >= 2 * cp]
+    cuttable = [d for d in order if lengths[d] >= 2 * groups[d]]
 
-    def attempt(k: int) -> tuple[float, tuple[tuple[DocPiece, ...], ...]] | None:
-        pieces = _greedy(lengths, order, set(cuttable[:k]), cp, local_len)
+    def attempt(k: int) -> tuple[float, Pieces] | None:
+        pieces = _greedy(lengths, order, {d: groups[d] for d in cuttable[:k]}, cp, local_len)
         return None if pieces is None else (balance([sum(p.work for p in ps) for ps in pieces]), pieces)
 
     best = attempt(0)
     assert best is not None, "placing whole documents is always feasible"
     if best[0] <= BALANCE_TARGET or not cuttable:
-        return best[1]
+        return best
     k, low = 1, 0
     while True:
         result = attempt(k)
@@ -503,14 +523,37 @@ def balanced_pieces(runs: DocRuns, cp: int, local_len: int) -> tuple[tuple[DocPi
             break
         low, k = k, min(2 * k, len(cuttable))
     high = k
-    while high - low > 1 and best[0] <= BALANCE_TARGET:  # fewest zig-zags that still reach the target
+    while high - low > 1 and best[0] <= BALANCE_TARGET:
         mid = (low + high) // 2
         result = attempt(mid)
         if result is not None and result[0] <= BALANCE_TARGET:
             best, high = result, mid
         else:
             low = mid
-    return best[1]
+    return best
+
+
+def balanced_pieces(runs: DocRuns, cp: int, local_len: int) -> Pieces:
+    """Pieces of the balanced layout.
+
+    Documents are cut zig-zag over the smallest groups of ranks their tokens and
+    work require (see :func:`_group_size`); if no number of cut documents
+    reaches the balance target with those groups, the groups are doubled (up to
+    all ``cp`` ranks) and the search repeats. The best placement found is kept.
+    """
+    lengths = runs.lengths
+    target = sum(pair_count(0, n) for n in lengths) / cp
+    order = sorted(range(len(lengths)), key=lambda d: (-lengths[d], d))
+    minimal = {d: _group_size(lengths[d], cp, local_len, target) for d in order}
+    best: tuple[float, Pieces] | None = None
+    scale = 1
+    while True:
+        result = _fewest_cuts(lengths, order, {d: min(cp, g * scale) for d, g in minimal.items()}, cp, local_len)
+        if best is None or result[0] < best[0]:
+            best = result
+        if best[0] <= BALANCE_TARGET or all(g * scale >= cp for g in minimal.values()):
+            return best[1]
+        scale *= 2
 
 
 def make_shard_plan(runs: DocRuns, cp: int, layout: str = "contiguous") -> ShardPlan:

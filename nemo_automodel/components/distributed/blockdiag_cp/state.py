@@ -38,6 +38,7 @@ KV_EXCHANGE_SYNONYMS: dict[str, tuple[str, ...]] = {
     "a2a": ("a2a", "a2av", "all_to_all", "alltoall", "all_to_all_v", "needed_a2a"),
 }
 LAYOUT_SYNONYMS: dict[str, tuple[str, ...]] = {
+    "auto": ("auto", "cost_model"),
     "contiguous": ("contiguous", "contig", "sequential", "chunked"),
     "balanced": ("balanced", "zigzag", "zig_zag", "load_balanced"),
 }
