@@ -78,6 +78,7 @@ def test_configure_validates_before_changing_anything():
         "kv_exchange": "a2a",
         "layout": "contiguous",
         "overlap": True,
+        "check_finite": True,
     }
     state.configure_cp_varlen(attn_backend="fa2", kv_exchange="neighbor", layout="zigzag", overlap=False)
     assert state.cp_varlen_runtime_config() == {
@@ -85,6 +86,7 @@ def test_configure_validates_before_changing_anything():
         "kv_exchange": "halo",
         "layout": "balanced",
         "overlap": False,
+        "check_finite": True,
     }
     state.configure_cp_varlen()
     assert state.cp_varlen_runtime_config() == {
@@ -92,6 +94,7 @@ def test_configure_validates_before_changing_anything():
         "kv_exchange": "halo",
         "layout": "contiguous",
         "overlap": True,
+        "check_finite": True,
     }
 
 

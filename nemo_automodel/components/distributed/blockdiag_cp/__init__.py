@@ -11,6 +11,9 @@ a row over ``cp`` ranks and keeps attention exactly block-diagonal:
 - :mod:`.runtime`  ``cp_blockdiag_sdpa`` and the collective-safe path decisions.
 - :mod:`.batch`    batch validation, padding, sharding and the per-step context.
 - :mod:`.packed`   the ``cp_size == 1`` packed path for models calling stock SDPA.
+- :mod:`.consensus` collective agreement: failed-rank consensus, step agreement, guarded kernels.
+- :mod:`.cost`     the cost model behind ``kv_exchange=auto`` and ``layout=auto``.
+- :mod:`.plan`     the planner (library and ``python -m`` command line).
 - :mod:`.logs`     the one log-once helper.
 """
 
@@ -22,7 +25,13 @@ from nemo_automodel.components.distributed.blockdiag_cp.packed import (
     enable_cp1_packed_varlen,
     packed_varlen_sdpa,
 )
-from nemo_automodel.components.distributed.blockdiag_cp.runtime import cp_blockdiag_sdpa, exchange_stats, patch_sdpa
+from nemo_automodel.components.distributed.blockdiag_cp.runtime import (
+    cp_blockdiag_sdpa,
+    exchange_stats,
+    nonfinite_attention_inputs,
+    patch_sdpa,
+    reset_exchange_stats,
+)
 from nemo_automodel.components.distributed.blockdiag_cp.state import (
     configure_cp_varlen,
     cp_attn_fire_count,
@@ -44,7 +53,9 @@ __all__ = [
     "enable_cp1_packed_varlen",
     "exchange_stats",
     "make_cp_blockdiag_batch_and_ctx",
+    "nonfinite_attention_inputs",
     "packed_varlen_sdpa",
     "patch_sdpa",
     "reset_cp_attn_fire_count",
+    "reset_exchange_stats",
 ]

@@ -258,7 +258,8 @@ def make_cp_blockdiag_batch_and_ctx(
         out[name] = _pad_and_shard(
             name, tensor, pad_len, fills.get(name, 0), row_offset, local_len, None if plan.is_identity else positions
         )
-    step_state = _build_step_state(group, rank, doc_ids, plan, device, backend, kv_mode, configured["overlap"])
+    step_state = _build_step_state(group, rank, doc_ids, plan, device, backend, kv_mode)
+    step_state.overlap, step_state.check_finite = configured["overlap"], configured["check_finite"]
 
     def train_ctx() -> contextlib.AbstractContextManager[StepState]:
         return state_module.activate_step_state(step_state)
@@ -282,7 +283,6 @@ def _build_step_state(
     device: torch.device,
     backend: str,
     kv_mode: str,
-    overlap: bool,
 ) -> StepState:
     """Precompute everything the attention layers of this step share (no per-layer host syncs)."""
     doc_ids_full = torch.nn.functional.pad(doc_ids, (0, plan.runs.total_len - doc_ids.shape[1]))
@@ -307,5 +307,4 @@ def _build_step_state(
         packed_cu_seqlens_cpu=cu_cpu,
         attn_backend=backend,
         kv_exchange=kv_mode,
-        overlap=overlap,
     )

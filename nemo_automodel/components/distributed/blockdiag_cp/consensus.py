@@ -143,14 +143,8 @@ class GuardedKernel(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.status, ctx.describe = status, describe
         inputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in (q, k, v))
-        try:
-            with torch.enable_grad():
-                out = fn(*inputs)
-        except _CONTROL_FLOW:
-            raise
-        except Exception as exc:  # reach consensus first; the runtime raises on every rank
-            status.forward.append(f"{type(exc).__name__}: {exc} [{describe}]")
-            out = q.new_zeros(q.shape)
+        with torch.enable_grad():
+            out = _call(fn, status, describe, *inputs)
         ctx.inputs, ctx.out = inputs, out
         return out.detach()
 
@@ -171,15 +165,38 @@ class GuardedKernel(torch.autograd.Function):
         return (None, None, None, *grads)
 
 
-def guarded(
-    fn: Callable[..., torch.Tensor],
+def _call(
+    fn: Callable[..., torch.Tensor | None],
     status: CallStatus,
     describe: str,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
 ) -> torch.Tensor:
-    """``fn(q, k, v)`` with failures recorded in ``status``.
+    """``fn(q, k, v)``; an exception or a missing/misshaped output is recorded and replaced by zeros like ``q``."""
+    try:
+        out = fn(q, k, v)
+    except _CONTROL_FLOW:
+        raise
+    except Exception as exc:  # reach consensus first; the runtime raises on every rank
+        status.forward.append(f"{type(exc).__name__}: {exc} [{describe}]")
+        return q.new_zeros(q.shape)
+    if not isinstance(out, torch.Tensor) or out.shape != q.shape:
+        got = "no output" if out is None else f"output {type(out).__name__} {getattr(out, 'shape', '')}"
+        status.forward.append(f"kernel returned {got}, expected a tensor {tuple(q.shape)} [{describe}]")
+        return q.new_zeros(q.shape)
+    return out
+
+
+def guarded(
+    fn: Callable[..., torch.Tensor | None],
+    status: CallStatus,
+    describe: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> torch.Tensor:
+    """``fn(q, k, v)`` with failures (an exception, or no output) recorded in ``status``.
 
     The backward is guarded too (see :class:`GuardedKernel`) unless autograd is
     off or saved-tensor hooks are active (non-reentrant checkpointing); then the
@@ -189,10 +206,4 @@ def guarded(
     """
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)) and not _saved_tensor_hooks_active():
         return GuardedKernel.apply(fn, status, describe, q, k, v)
-    try:
-        return fn(q, k, v)
-    except _CONTROL_FLOW:
-        raise
-    except Exception as exc:
-        status.forward.append(f"{type(exc).__name__}: {exc} [{describe}]")
-        return q.new_zeros(q.shape)
+    return _call(fn, status, describe, q, k, v)

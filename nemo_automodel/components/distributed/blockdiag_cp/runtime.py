@@ -450,6 +450,8 @@ def cp_blockdiag_sdpa(
         )
     kernels.validate_qkv(query, key, value, enable_gqa, state.local_len)
     state_module.record_cp_attn_call()
+    if state.check_finite:  # device-side flags, read once per step: no host sync per layer
+        state.cache.finite.append(torch.stack([t.isfinite().all() for t in (query, key, value)]))
     _agree_on_step(state, query, key)
     state.cache.shape = cost.Shape(query.shape[1], key.shape[1], query.shape[3], query.element_size())
     path, plan, reason = _select_kv_exchange_path(
@@ -471,6 +473,28 @@ def cp_blockdiag_sdpa(
     bytes_per_token = 2 * key.shape[1] * key.shape[3] * key.element_size()
     _LAST_STATS = ExchangeStats(path, reason, kernel, received, received * bytes_per_token)
     return out
+
+
+def nonfinite_attention_inputs(state: StepState | None = None) -> list[str]:
+    """Which CP attention calls of the step saw NaN/Inf in q, k or v (one host sync for the whole step).
+
+    Args:
+        state: The step state (default: the active one). Calls are numbered in
+            execution order (activation-checkpoint recompute calls count again).
+
+    Returns:
+        One line per offending call, e.g. ``"CP attention call 3: key, value"``; empty when all are finite.
+    """
+    state = state or state_module.current_step_state()
+    if state is None or not state.cache.finite:
+        return []
+    flags = torch.stack(state.cache.finite).cpu().tolist()
+    names = ("query", "key", "value")
+    return [
+        f"CP attention call {i}: {', '.join(n for n, ok in zip(names, row) if not ok)}"
+        for i, row in enumerate(flags)
+        if not all(row)
+    ]
 
 
 @contextlib.contextmanager

@@ -105,6 +105,7 @@ class RuntimeConfig:
     kv_exchange: str = KV_EXCHANGE_DEFAULT
     layout: str = LAYOUT_DEFAULT
     overlap: bool = True
+    check_finite: bool = True
 
 
 _RUNTIME_CONFIG = RuntimeConfig()
@@ -116,6 +117,7 @@ def configure_cp_varlen(
     kv_exchange: str | None = None,
     layout: str | None = None,
     overlap: bool = True,
+    check_finite: bool = True,
 ) -> None:
     """Set the process-wide block-diagonal CP defaults.
 
@@ -127,6 +129,8 @@ def configure_cp_varlen(
         kv_exchange: Exchange name or synonym (``None``/``""``/``"default"`` -> ``halo``).
         layout: ``contiguous`` or ``balanced`` (``None`` -> ``contiguous``).
         overlap: Compute local-key segments while the K/V exchange is in flight.
+        check_finite: Record, without a host sync, whether every call's q/k/v are finite
+            (read once per step with ``nonfinite_attention_inputs``).
     """
     global _RUNTIME_CONFIG
     _RUNTIME_CONFIG = RuntimeConfig(
@@ -134,16 +138,18 @@ def configure_cp_varlen(
         normalize_kv_exchange(kv_exchange),
         normalize_layout(layout),
         bool(overlap),
+        bool(check_finite),
     )
 
 
 def cp_varlen_runtime_config() -> dict[str, Any]:
-    """Return the configured ``{"attn_backend", "kv_exchange", "layout", "overlap"}`` (canonical)."""
+    """Return the configured ``{"attn_backend", "kv_exchange", "layout", "overlap", "check_finite"}``."""
     return {
         "attn_backend": _RUNTIME_CONFIG.attn_backend,
         "kv_exchange": _RUNTIME_CONFIG.kv_exchange,
         "layout": _RUNTIME_CONFIG.layout,
         "overlap": _RUNTIME_CONFIG.overlap,
+        "check_finite": _RUNTIME_CONFIG.check_finite,
     }
 
 
@@ -157,6 +163,7 @@ class StepCache:
         agreed: Call signatures (shapes, dtype) whose step-start agreement check passed.
         auto_choice: ``kv_exchange=auto``'s ``(path, reason)`` for this step.
         shape: The attention shape of the current call (for the cost model).
+        finite: Per CP call, a device bool ``[3]``: are q, k, v all finite (no host sync).
     """
 
     kv_plan: KVPlan | None = None
@@ -164,6 +171,7 @@ class StepCache:
     agreed: set[tuple[Any, ...]] = field(default_factory=set)
     auto_choice: tuple[str, str] | None = None
     shape: Shape | None = None
+    finite: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -195,6 +203,7 @@ class StepState:
         attn_backend: Snapshot of the kernel knob (``None`` -> module config).
         kv_exchange: Snapshot of the exchange knob (``None`` -> module config).
         overlap: Compute local-key segments while the exchange is in flight.
+        check_finite: Record whether each call's q/k/v are finite (see ``StepCache.finite``).
         cache: Per-step memo (plan, preflight results).
     """
 
@@ -214,6 +223,7 @@ class StepState:
     attn_backend: str | None = None
     kv_exchange: str | None = None
     overlap: bool = True
+    check_finite: bool = True
     cache: StepCache = field(default_factory=StepCache)
 
 
