@@ -280,14 +280,15 @@ def _log_path(path: str, reason: str, kernel: str, state: StepState) -> None:
 
 
 def _agree_on_step(state: StepState, query: torch.Tensor, key: torch.Tensor) -> None:
-    """Once per step and call shape: every rank must run the same configuration on the same layout.
+    """On the step's first call: every rank must run the same configuration on the same layout.
 
     Runs before any path-dependent collective, so a disagreement (a rank with a
-    different ``kv_exchange``, kernel, sequence length or document layout) makes
-    every rank raise the same error instead of hanging in mismatched collectives.
+    different ``kv_exchange``, kernel, sequence length, document layout or
+    q/k/v shape) makes every rank raise the same error instead of hanging in
+    mismatched collectives. Later calls are not re-checked (a rank whose shapes
+    change mid-step while its peers' do not is not detected).
     """
-    signature = (tuple(query.shape), tuple(key.shape), str(query.dtype))
-    if signature in state.cache.agreed or state.cp_size == 1:
+    if state.cache.agreed or state.cp_size == 1:
         return
     backend, kv_exchange = _resolve_cp_varlen_config(state)
     plan = state.shard_plan
@@ -301,12 +302,12 @@ def _agree_on_step(state: StepState, query: torch.Tensor, key: torch.Tensor) -> 
             "layout": plan.layout,
             "overlap": state.overlap,
             "document layout": (plan.runs.starts, plan.runs.ends, plan.pieces),
-            "query/key shapes and dtype": signature,
+            "query/key shapes and dtype": (tuple(query.shape), tuple(key.shape), str(query.dtype)),
         },
         state.group,
         query.device,
     )
-    state.cache.agreed.add(signature)
+    state.cache.agreed = True
 
 
 def _group_keys(

@@ -160,7 +160,7 @@ class StepCache:
     Attributes:
         kv_plan: The replicated exchange plan (set on the first needed-only call).
         preflight: ``(backend, dtype, device, query_len, key_len) -> (ok, reason)``.
-        agreed: Call signatures (shapes, dtype) whose step-start agreement check passed.
+        agreed: Whether the step-start agreement check passed.
         auto_choice: ``kv_exchange=auto``'s ``(path, reason)`` for this step.
         shape: The attention shape of the current call (for the cost model).
         finite: Per CP call, a device bool ``[3]``: are q, k, v all finite (no host sync).
@@ -168,7 +168,7 @@ class StepCache:
 
     kv_plan: KVPlan | None = None
     preflight: dict[tuple[str, str, str, int, int], tuple[bool, str | None]] = field(default_factory=dict)
-    agreed: set[tuple[Any, ...]] = field(default_factory=set)
+    agreed: bool = False
     auto_choice: tuple[str, str] | None = None
     shape: Shape | None = None
     finite: list[torch.Tensor] = field(default_factory=list)
