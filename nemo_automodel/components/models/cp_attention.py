@@ -16,6 +16,8 @@ Outside a CP step context both are exactly stock causal SDPA.
 from __future__ import annotations
 
 import contextlib
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -23,6 +25,7 @@ import torch
 from nemo_automodel.components.distributed.blockdiag_cp import cp_blockdiag_sdpa, patch_sdpa
 
 CP_ATTN_IMPLEMENTATION = "cp_blockdiag"
+_FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"  # read by transformers' sdpa_attention_forward at every call
 
 
 def cp_blockdiag_attention(
@@ -76,6 +79,31 @@ def attn_implementation_for(route: str) -> str:
     return {"hf_interface": CP_ATTN_IMPLEMENTATION, "patch_sdpa": "sdpa", "eager": "eager"}[route]
 
 
+@contextlib.contextmanager
+def _hf_sdpa_keeps_kv_heads() -> Iterator[None]:
+    """Make transformers' ``sdpa`` path pass grouped K/V heads as they are (``enable_gqa``).
+
+    Without it, transformers repeats K/V heads only when it built a mask, and it
+    builds one only when the local shard holds several documents: CP ranks would
+    then exchange K/V with different head counts and the collective would fail.
+    """
+    previous = os.environ.get(_FORCE_GQA)
+    os.environ[_FORCE_GQA] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(_FORCE_GQA, None)
+        else:
+            os.environ[_FORCE_GQA] = previous
+
+
+@contextlib.contextmanager
+def _patched_sdpa_scope() -> Iterator[None]:
+    with _hf_sdpa_keeps_kv_heads(), patch_sdpa():
+        yield
+
+
 def attention_scope(route: str) -> contextlib.AbstractContextManager[None]:
     """The context to hold around a step's forward and backward for ``route``."""
-    return patch_sdpa() if route == "patch_sdpa" else contextlib.nullcontext()
+    return _patched_sdpa_scope() if route == "patch_sdpa" else contextlib.nullcontext()
