@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,19 @@ def main(cfg: DictConfig, run_dir: Path) -> int:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(config.dist.master_port or free_port()))
         return worker_main(payload, str(run_dir))
-    return launch_local_workers(world, worker_main, (payload, str(run_dir)), config.dist, run_dir)
+    return launch_local_workers(world, local_worker, (payload, str(run_dir)), config.dist, run_dir)
+
+
+def local_worker(payload: dict[str, Any], run_dir: str) -> int:
+    """``elastic_launch`` entry point: :func:`worker_main`, exiting with its code unless it is 0.
+
+    The elastic agent reads return values only from successful workers; a preempted
+    worker must exit with :data:`EXIT_PREEMPTED` so the agent sees it leave.
+    """
+    code = worker_main(payload, run_dir)
+    if code:
+        sys.exit(code)
+    return code
 
 
 def worker_main(payload: dict[str, Any], run_dir: str) -> int:
@@ -145,13 +158,13 @@ def train(config: FinetuneConfig, run_dir: Path, topology: Topology, device: tor
                 path = save(done)
                 if topology.is_main:
                     write_preempted_marker(run_dir, done, path, preemption.signal_name)
-                logger.warning(
-                    "preempted (%s) after step %d: checkpoint %s saved; exit %d = requeue me",
-                    preemption.signal_name or "signal on a peer rank",
-                    done,
-                    path,
-                    EXIT_PREEMPTED,
-                )
+                    logger.warning(
+                        "preempted (%s) after step %d: checkpoint %s saved; exit %d = requeue me",
+                        preemption.signal_name or "signal on a peer rank",
+                        done,
+                        path,
+                        EXIT_PREEMPTED,
+                    )
                 return EXIT_PREEMPTED
             if trainer.ckpt_every and done % trainer.ckpt_every == 0 and done < trainer.max_steps:
                 last_saved = done

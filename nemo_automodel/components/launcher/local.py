@@ -4,15 +4,17 @@ The parent resolved the config once; each worker receives it as a plain dict plu
 the one run dir, so no worker composes Hydra or makes its own output directory.
 SIGTERM/SIGINT/SIGHUP/SIGQUIT/SIGUSR1 to the parent are forwarded to the workers
 by the elastic agent, which then waits ``dist.shutdown_timeout_s`` for them to
-checkpoint before killing them. The parent's exit code is 0 when every worker
-finished, :data:`EXIT_PREEMPTED` when they stopped on a signal after saving, and
-1 when any worker failed.
+checkpoint before killing them. A worker that stops for any reason other than
+success must *exit* with its code rather than return it: the agent only collects
+return values on success, and a returned value would leave the worker waiting
+for the agent to read it. The parent's exit code is 0 when every worker
+finished, :data:`EXIT_PREEMPTED` when rank 0 recorded a complete preemption
+checkpoint (``preempted.json``), and 1 (or ``128 + signal``) otherwise.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import uuid
 from collections.abc import Callable
@@ -42,7 +44,6 @@ def launch_local_workers(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = FORWARDED_SIGNALS
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     port = dist_cfg.master_port or free_port()
     config = LaunchConfig(
@@ -56,18 +57,26 @@ def launch_local_workers(
         monitor_interval=0.2,
         start_method="spawn",
         shutdown_timeout=dist_cfg.shutdown_timeout_s,
+        signals_to_handle=FORWARDED_SIGNALS,
     )
     logger.info("starting %d local workers (elastic_launch, rendezvous 127.0.0.1:%d)", nproc, port)
     try:
         results = elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as exc:
+        if _preempted(run_dir, "a signal to the workers"):
+            return EXIT_PREEMPTED
         logger.error("worker(s) failed:\n%s", exc.format_msg())
         return 1
     except SignalException as exc:
-        step = preempted_marker_step(run_dir)
-        if step is None:
-            logger.error("stopped by %s before the workers could checkpoint", exc.sigval.name)
-            return 128 + int(exc.sigval)
-        logger.warning("preempted by %s: checkpoint of step %d saved; requeue to resume", exc.sigval.name, step)
-        return EXIT_PREEMPTED
+        if _preempted(run_dir, exc.sigval.name):
+            return EXIT_PREEMPTED
+        logger.error("stopped by %s before the workers could checkpoint", exc.sigval.name)
+        return 128 + int(exc.sigval)
     return max(results.values())
+
+
+def _preempted(run_dir: Path, cause: str) -> bool:
+    step = preempted_marker_step(run_dir)
+    if step is not None:
+        logger.warning("preempted by %s: checkpoint of step %d saved; requeue to resume", cause, step)
+    return step is not None
