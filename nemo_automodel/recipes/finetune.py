@@ -118,7 +118,6 @@ def train(config: FinetuneConfig, run_dir: Path, topology: Topology, device: tor
 
     ckpt_root = run_dir / "checkpoints"
     start_step = _resume(trainer.resume, ckpt_root, model, optimizer, scheduler, topology, schedule)
-    last_saved = start_step if start_step > 0 else None
 
     def save(step: int) -> Path:
         state = TrainerState(
@@ -129,7 +128,13 @@ def train(config: FinetuneConfig, run_dir: Path, topology: Topology, device: tor
         return path
 
     setup = StepSetup(
-        meshes, device, config.cp, config.model.attention, tokenizer.pad_id, config.optim.grad_clip, trainer.bf16
+        meshes=meshes,
+        device=device,
+        cp=config.cp,
+        attention=config.model.attention,
+        pad_id=tokenizer.pad_id,
+        grad_clip=config.optim.grad_clip,
+        bf16=trainer.bf16,
     )
     writer = MetricsWriter(run_dir, topology.is_main, start_step, trainer.max_steps, trainer.log_every)
     preemption = PreemptionFlag().install()
@@ -167,13 +172,12 @@ def train(config: FinetuneConfig, run_dir: Path, topology: Topology, device: tor
                     )
                 return EXIT_PREEMPTED
             if trainer.ckpt_every and done % trainer.ckpt_every == 0 and done < trainer.max_steps:
-                last_saved = done
                 save(done)
     finally:
         preemption.uninstall()
         writer.close()
 
-    if last_saved != trainer.max_steps:
+    if start_step < trainer.max_steps:  # a run resumed at its last step has nothing new to save
         save(trainer.max_steps)
     if trainer.export_hf:
         _export(model, hf_config, tokenizer, run_dir / "hf", topology)
