@@ -16,6 +16,7 @@ from collections import defaultdict, deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -69,6 +70,19 @@ def _numpy_global_seed(seed: int) -> Iterator[None]:
         np.random.set_state(saved)
 
 
+def _nemo_packing_utils() -> ModuleType:
+    """``nemo.utils.sequence_packing_utils``, imported only where packing happens (importing NeMo takes seconds).
+
+    Importing ``nemo.utils`` also reroutes every Python warning of the process
+    through NeMo's logger; Python's own warning display is put back.
+    """
+    from nemo.utils import logging as nemo_logging
+    from nemo.utils import sequence_packing_utils
+
+    nemo_logging.captureWarnings(False)
+    return sequence_packing_utils
+
+
 def assign_to_rows(lengths: list[int], seq_len: int, algorithm: str, seed: int) -> list[list[int]]:
     """Document indices per row, from NeMo's packer.
 
@@ -76,9 +90,7 @@ def assign_to_rows(lengths: list[int], seq_len: int, algorithm: str, seed: int) 
     length are interchangeable, so each length is mapped back to the next unused
     document of that length (in corpus order, hence deterministic).
     """
-    from nemo.utils import sequence_packing_utils  # heavy import: only where packing happens
-
-    packer = getattr(sequence_packing_utils, algorithm)
+    packer = getattr(_nemo_packing_utils(), algorithm)
     with _numpy_global_seed(seed):
         bins = packer(list(lengths), seq_len)
     by_length: dict[int, deque[int]] = defaultdict(deque)
