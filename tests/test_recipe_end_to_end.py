@@ -107,3 +107,44 @@ def test_multirun_sweep_runs_each_job_in_its_own_dir(tmp_path):
     )
     assert done.returncode == 0, _fail(done)
     assert sorted(len(read_losses(tmp_path / job)) for job in ("0", "1")) == [2, 3]
+
+
+def test_srun_tasks_without_torchrun_derive_ranks_from_slurm_and_share_rank0_run_dir(tmp_path):
+    from nemo_automodel.components.launcher.local import free_port
+
+    run_dir, elsewhere = tmp_path / "run", tmp_path / "cwd"
+    elsewhere.mkdir()
+    args = [
+        sys.executable,
+        str(REPO / "recipes" / "finetune.py"),
+        "+cp=blockdiag",
+        *TINY_OVERRIDES,
+        "trainer.max_steps=3",
+        "trainer.export_hf=false",
+        f"dist.master_port={free_port()}",
+        f"hydra.run.dir={run_dir}",
+    ]
+    slurm = {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_NODELIST": "localhost"}
+    tasks = [
+        subprocess.Popen(
+            args,
+            cwd=elsewhere,
+            env=recipe_env() | slurm | {"SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    try:
+        outputs = [t.communicate(timeout=180)[0] for t in tasks]
+    finally:
+        for t in tasks:
+            if t.poll() is None:
+                t.kill()
+                t.wait()
+    assert [t.returncode for t in tasks] == [0, 0], outputs[0][-4000:] + outputs[1][-4000:]
+    assert "world 2 = dp 1 x cp 2" in outputs[0]
+    assert not any("local workers" in out for out in outputs), "each task is a rank; none launches workers"
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    assert list(elsewhere.iterdir()) == [], "rank 1 created no Hydra output of its own"
