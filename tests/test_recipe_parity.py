@@ -53,3 +53,10 @@ def test_dp2_sums_gradients_like_cp1_with_accumulation(pools, tmp_path, cp1_run)
     cfg = tiny_config(trainer={"grad_accum": 1})
     result = pools.get(2).run_ok(train_in_pool, cfg, str(tmp_path), timeout=300)[0]
     _assert_same_training(result, cp1_run)
+
+
+def test_cp2_with_activation_checkpointing_equals_cp1(pools, tmp_path, cp1_run):
+    """Recompute in backward runs the layers' CP attention again and must see the same step state."""
+    cfg = tiny_config(cp={"size": 2}, trainer={"activation_checkpointing": True})
+    result = pools.get(2).run_ok(train_in_pool, cfg, str(tmp_path), timeout=300)[0]
+    _assert_same_training(result, cp1_run)
