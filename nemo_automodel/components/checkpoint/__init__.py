@@ -1,0 +1,1 @@
+"""Distributed checkpoints (atomic, resumable) and the final HF export."""

@@ -1,0 +1,130 @@
+"""Atomic ``torch.distributed.checkpoint`` saves and resume.
+
+Layout under ``<run_dir>/checkpoints``::
+
+    step_00000100/            a complete checkpoint (only ever created by a rename)
+        .metadata, *.distcp   model + optimizer (DCP, sharded: any world size can load the tensors)
+        trainer_state.json    step, rows consumed, scheduler, topology
+        rng_rank<r>.pt        python/numpy/torch RNG of rank r
+    .tmp-step_00000200/       a save in progress (ignored, removed by the next save)
+
+A save writes everything into the temp dir, waits for every rank, and rank 0
+renames it to ``step_<N>``; only then are checkpoints beyond ``keep`` deleted.
+A crash mid-save therefore leaves the previous checkpoints untouched, and the
+latest complete checkpoint is simply the highest ``step_*`` directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from nemo_automodel.components.training.rng import rng_state, set_rng_state
+
+logger = logging.getLogger(__name__)
+
+TRAINER_STATE = "trainer_state.json"
+_PREFIX = "step_"
+_TMP_PREFIX = ".tmp-"
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """The non-tensor state of a checkpoint (``trainer_state.json``)."""
+
+    step: int
+    rows_consumed: int
+    scheduler: dict[str, Any]
+    world: int
+    dp: int
+    cp: int
+
+
+def checkpoint_dir(root: Path, step: int) -> Path:
+    return root / f"{_PREFIX}{step:08d}"
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The complete checkpoint with the highest step under ``root`` (temp dirs never count)."""
+    if not root.is_dir():
+        return None
+    done = [p for p in root.iterdir() if p.name.startswith(_PREFIX) and (p / TRAINER_STATE).is_file()]
+    return max(done, key=lambda p: int(p.name[len(_PREFIX) :]), default=None)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(
+    root: Path,
+    state: TrainerState,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    keep: int,
+    rank: int,
+) -> Path:
+    """Collective: save atomically (module docstring); return the final directory."""
+    final = checkpoint_dir(root, state.step)
+    tmp = root / f"{_TMP_PREFIX}{final.name}"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(f"{_TMP_PREFIX}*"):  # left by a crash mid-save
+            shutil.rmtree(stale)
+        tmp.mkdir()
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+    if rank == 0:
+        (tmp / TRAINER_STATE).write_text(json.dumps(asdict(state), indent=1))
+    dist.barrier()  # every rank's files are in tmp
+    if rank == 0:
+        if final.exists():  # the same step saved again (e.g. preempted right after a periodic save)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        _prune(root, keep)
+    dist.barrier()
+    return final
+
+
+def _prune(root: Path, keep: int) -> None:
+    done = sorted(
+        (p for p in root.iterdir() if p.name.startswith(_PREFIX) and (p / TRAINER_STATE).is_file()),
+        key=lambda p: int(p.name[len(_PREFIX) :]),
+    )
+    for old in done[:-keep]:
+        shutil.rmtree(old)
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> TrainerState:
+    """Collective: load model, optimizer and this rank's RNG from ``path``; return the trainer state.
+
+    The scheduler state is in the returned state (the caller owns the scheduler).
+    """
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state_dict = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state_dict, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"])
+    trainer_state = TrainerState(**json.loads((path / TRAINER_STATE).read_text()))
+    rng_file = path / f"rng_rank{rank}.pt"
+    if rng_file.is_file():
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    else:
+        logger.warning("%s has no RNG state for rank %d (world size changed?): keeping the fresh seed", path, rank)
+    return trainer_state

@@ -1,0 +1,1 @@
+"""Typed recipe configuration: the structured-config schema and its environment checks."""

@@ -1,0 +1,291 @@
+"""The fine-tuning recipe's structured config.
+
+Hydra composes ``conf/finetune.yaml`` on top of :class:`FinetuneConfig` (registered
+in the ConfigStore as ``finetune_schema``), so a misspelt key or a wrongly typed
+value fails at composition with Hydra's own error. Value checks that need more than
+a type (choices, ranges, the CP knobs' synonyms) live in ``__post_init__`` and run
+when :func:`to_finetune_config` turns the composed ``DictConfig`` into dataclasses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from nemo_automodel.components.distributed.blockdiag_cp.state import normalize_attn_backend, normalize_kv_exchange
+
+# How the model's attention reaches block-diagonal CP:
+# - ``hf_interface``: a function registered in transformers' ``AttentionInterface``
+#   (the model's ``config._attn_implementation`` is set to it);
+# - ``patch_sdpa``: the model keeps calling ``F.scaled_dot_product_attention``, which
+#   is routed through CP while a step runs;
+# - ``eager``: the model's own matmul attention, which never reaches CP (cp=1 only).
+ATTENTION_ROUTES = ("hf_interface", "patch_sdpa", "eager")
+DATA_SOURCES = ("synthetic", "jsonl")
+LONG_DOCUMENT_MODES = ("split", "truncate")
+RESUME_MODES = ("auto", "never")
+
+
+def _require_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(
+            f"{name}={value!r} is not valid; choose one of {', '.join(choices)} (e.g. {name}={choices[0]})"
+        )
+
+
+def _require_positive(name: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name}={value} must be {bound}")
+
+
+@dataclass
+class ModelConfig:
+    """The causal LM: a local HF checkpoint, or a Llama built from the size fields below.
+
+    Attributes:
+        pretrained_path: Local HF model directory (no hub access); ``None`` builds a random Llama.
+        attention: How attention reaches CP, one of :data:`ATTENTION_ROUTES`.
+        hidden_size / num_layers / num_heads / num_kv_heads / intermediate_size / rope_theta:
+            Size of the built Llama (ignored with ``pretrained_path``).
+        max_position_embeddings: RoPE table size of the built Llama (positions restart per document).
+    """
+
+    pretrained_path: str | None = None
+    attention: str = "hf_interface"
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    intermediate_size: int = 768
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+
+    def __post_init__(self) -> None:
+        _require_choice("model.attention", self.attention, ATTENTION_ROUTES)
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
+            _require_positive(f"model.{name}", getattr(self, name))
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model.num_heads={self.num_heads} must be a multiple of model.num_kv_heads={self.num_kv_heads}"
+            )
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"model.hidden_size={self.hidden_size} must be divisible by model.num_heads")
+
+
+@dataclass
+class TokenizerConfig:
+    """``name_or_path=None``: the built-in byte-level tokenizer (ids 0..255); else a local HF tokenizer dir."""
+
+    name_or_path: str | None = None
+
+
+@dataclass
+class DataConfig:
+    """Documents, their packing into rows of ``seq_len`` tokens, and the synthetic corpus' shape.
+
+    Attributes:
+        source: ``synthetic`` (built in, seeded) or ``jsonl`` (``{"text": ...}`` per line at ``path``).
+        path: The JSONL file for ``source=jsonl``.
+        text_field: The JSON key holding each document's text.
+        seq_len: Tokens per packed row (padded to a multiple of ``2 * cp.size`` for CP).
+        packing_algorithm: ``first_fit_decreasing`` or ``first_fit_shuffle`` (NeMo's packers).
+        long_documents: ``split`` a document longer than ``seq_len`` into ``seq_len`` chunks
+            (each trained as its own document), or ``truncate`` it to its first ``seq_len`` tokens.
+        num_documents: Synthetic corpus size.
+        min_doc_len / max_doc_len: Synthetic document lengths (long-tailed between the two).
+        seed: Seed of the corpus, the packer's shuffle and the per-epoch row order.
+    """
+
+    source: str = "synthetic"
+    path: str | None = None
+    text_field: str = "text"
+    seq_len: int = 512
+    packing_algorithm: str = "first_fit_shuffle"
+    long_documents: str = "split"
+    num_documents: int = 4000
+    min_doc_len: int = 4
+    max_doc_len: int = 700
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        from nemo_automodel.components.datasets.packing import PACKING_ALGORITHMS
+
+        _require_choice("data.source", self.source, DATA_SOURCES)
+        _require_choice("data.packing_algorithm", self.packing_algorithm, PACKING_ALGORITHMS)
+        _require_choice("data.long_documents", self.long_documents, LONG_DOCUMENT_MODES)
+        if self.seq_len < 2:
+            raise ValueError(f"data.seq_len={self.seq_len} cannot hold a single (input, label) pair; use >= 2")
+        _require_positive("data.num_documents", self.num_documents)
+        if not 1 <= self.min_doc_len <= self.max_doc_len:
+            raise ValueError(
+                f"data.min_doc_len={self.min_doc_len} / data.max_doc_len={self.max_doc_len}: need 1 <= min <= max"
+            )
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup then cosine decay to ``min_lr_ratio * lr``.
+
+    ``decay_steps=None`` decays over ``trainer.max_steps``; set it to keep the
+    schedule fixed when a run is extended or stopped early.
+    """
+
+    lr: float = 3e-3
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    warmup_steps: int = 20
+    decay_steps: int | None = None
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        _require_positive("optim.lr", self.lr)
+        _require_positive("optim.warmup_steps", self.warmup_steps, allow_zero=True)
+        _require_positive("optim.grad_clip", self.grad_clip, allow_zero=True)
+        if len(self.betas) != 2:
+            raise ValueError(f"optim.betas={self.betas} must be two numbers, e.g. optim.betas=[0.9,0.95]")
+        if self.decay_steps is not None:
+            _require_positive("optim.decay_steps", self.decay_steps)
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+
+
+@dataclass
+class TrainerConfig:
+    """The loop, checkpoints and logging.
+
+    Attributes:
+        max_steps: Optimizer steps to train in total (a resumed run continues to it).
+        grad_accum: Micro-batches (packed rows per dp rank) per optimizer step; the global
+            batch is ``dp * grad_accum`` rows whatever ``cp.size`` is.
+        seed: Model init, dropout and every other RNG (same seed -> identical loss trace on CPU).
+        activation_checkpointing: Recompute layer activations in backward.
+        bf16: bf16 autocast (CUDA only; CPU always trains in fp32).
+        log_every: Console log period in steps (``metrics.jsonl`` gets every step).
+        ckpt_every: Checkpoint period in steps (``0``: only at the end and on preemption).
+        keep_checkpoints: Complete checkpoints to keep (older ones are deleted after a new one lands).
+        resume: ``auto`` continues from the latest complete checkpoint in the run dir; ``never`` starts fresh.
+        export_hf: Export a HF ``save_pretrained`` (safetensors) directory at the end.
+    """
+
+    max_steps: int = 200
+    grad_accum: int = 2
+    seed: int = 42
+    activation_checkpointing: bool = False
+    bf16: bool = True
+    log_every: int = 10
+    ckpt_every: int = 100
+    keep_checkpoints: int = 2
+    resume: str = "auto"
+    export_hf: bool = True
+
+    def __post_init__(self) -> None:
+        _require_positive("trainer.max_steps", self.max_steps)
+        _require_positive("trainer.grad_accum", self.grad_accum)
+        _require_positive("trainer.log_every", self.log_every)
+        _require_positive("trainer.ckpt_every", self.ckpt_every, allow_zero=True)
+        _require_positive("trainer.keep_checkpoints", self.keep_checkpoints)
+        _require_choice("trainer.resume", self.resume, RESUME_MODES)
+
+
+@dataclass
+class CPConfig:
+    """Block-diagonal context parallelism (``+cp=blockdiag`` selects ``conf/cp/blockdiag.yaml``).
+
+    Attributes:
+        size: CP ranks per packed row (``1``: no CP; attention still block-diagonal).
+        attn_backend: Kernel, any spelling :func:`normalize_attn_backend` accepts (stored canonical).
+        kv_exchange: K/V exchange, any spelling :func:`normalize_kv_exchange` accepts (stored canonical).
+    """
+
+    size: int = 1
+    attn_backend: str = "auto"
+    kv_exchange: str = "halo"
+
+    def __post_init__(self) -> None:
+        _require_positive("cp.size", self.size)
+        try:
+            self.attn_backend = normalize_attn_backend(self.attn_backend)
+            self.kv_exchange = normalize_kv_exchange(self.kv_exchange)
+        except ValueError as exc:
+            raise ValueError(f"cp: {exc}") from None
+
+
+@dataclass
+class DistConfig:
+    """Process groups and the local launcher.
+
+    Attributes:
+        dp_size: Data-parallel ranks. ``None``: 1 for a local launch, ``world / cp.size`` under torchrun/Slurm.
+        pg_timeout_s: Collective timeout: a dead or stuck peer raises after it instead of hanging.
+        master_port: Rendezvous port for local and Slurm launches (``None``: a free port / 29500).
+        shutdown_timeout_s: After SIGTERM/SIGUSR1, how long the local launcher waits for workers to
+            finish their step and checkpoint before killing them.
+    """
+
+    dp_size: int | None = None
+    pg_timeout_s: float = 300.0
+    master_port: int | None = None
+    shutdown_timeout_s: int = 300
+
+    def __post_init__(self) -> None:
+        if self.dp_size is not None:
+            _require_positive("dist.dp_size", self.dp_size)
+        _require_positive("dist.pg_timeout_s", self.pg_timeout_s)
+        _require_positive("dist.shutdown_timeout_s", self.shutdown_timeout_s)
+
+
+@dataclass
+class FinetuneConfig:
+    """The whole recipe (``conf/finetune.yaml`` picks the groups; ``cp`` is added with ``+cp=blockdiag``)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    cp: CPConfig = field(default_factory=CPConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+
+    def __post_init__(self) -> None:
+        if self.model.pretrained_path is None and self.data.seq_len > self.model.max_position_embeddings:
+            raise ValueError(
+                f"data.seq_len={self.data.seq_len} exceeds model.max_position_embeddings="
+                f"{self.model.max_position_embeddings}; raise model.max_position_embeddings or lower data.seq_len"
+            )
+        if self.model.attention == "eager" and self.cp.size > 1:
+            raise ValueError(
+                f"model.attention=eager never reaches SDPA, so cp.size={self.cp.size} would silently attend "
+                "only to local tokens; use model.attention=hf_interface (or patch_sdpa), or drop +cp"
+            )
+        if self.data.seq_len < 2 * self.cp.size:
+            raise ValueError(
+                f"data.seq_len={self.data.seq_len} is smaller than 2 * cp.size = {2 * self.cp.size}: every CP rank "
+                f"needs at least two positions; raise data.seq_len or lower cp.size"
+            )
+
+
+def register_schema() -> None:
+    """Store :class:`FinetuneConfig` as ``finetune_schema`` (the first entry of ``conf/finetune.yaml``'s defaults)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="finetune_schema", node=FinetuneConfig)
+
+
+def to_finetune_config(cfg: DictConfig | dict[str, Any]) -> FinetuneConfig:
+    """Typed, validated config from a composed ``DictConfig`` or a plain dict (what workers receive).
+
+    Raises:
+        ValueError: naming the bad field and the fix (unknown keys, bad choices, bad ranges).
+    """
+    merged = OmegaConf.merge(OmegaConf.structured(FinetuneConfig), cfg)
+    return OmegaConf.to_object(merged)
+
+
+def to_plain_dict(cfg: FinetuneConfig) -> dict[str, Any]:
+    """The config as plain Python containers (for workers, checkpoints and the run dir)."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)

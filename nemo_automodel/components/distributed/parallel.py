@@ -1,0 +1,117 @@
+"""Process group, the ``(dp, cp)`` device mesh, and FSDP2 gradient reduction over ``dp x cp``.
+
+Gradients: FSDP2 ``fully_shard`` over the flattened ``dp x cp`` mesh (works with
+gloo on CPU in torch 2.13). Every CP rank holds a different slice of the same
+packed row, so a parameter's gradient is the SUM of the per-rank gradients over
+CP *and* DP; the loss is already divided by the global label-token count, so the
+reduce-scatter must not average: each FSDP module gets a divide factor of 1 and
+forced SUM collectives (gloo rejects FSDP's default ``PREMUL_SUM``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """This process's place: ``world = dp * cp`` ranks, CP ranks adjacent (``rank = dp_rank * cp + cp_rank``)."""
+
+    world: int
+    rank: int
+    local_rank: int
+    dp: int
+    cp: int
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.cp
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def resolve_topology(world: int, rank: int, local_rank: int, cp_size: int, dp_size: int | None) -> Topology:
+    """Check that ``cp.size`` (and ``dist.dp_size``) fit ``world``; no collective is involved.
+
+    Raises:
+        ValueError: naming the field and the fix.
+    """
+    if world % cp_size:
+        raise ValueError(
+            f"cp.size={cp_size} does not divide the world size {world}: the world must be dp * cp ranks; "
+            f"launch a multiple of {cp_size} processes or change cp.size"
+        )
+    dp = world // cp_size
+    if dp_size is not None and dp_size != dp:
+        raise ValueError(
+            f"dist.dp_size={dp_size} with cp.size={cp_size} needs {dp_size * cp_size} ranks, but the world has "
+            f"{world}; drop dist.dp_size (it is derived) or launch {dp_size * cp_size} processes"
+        )
+    return Topology(world=world, rank=rank, local_rank=local_rank, dp=dp, cp=cp_size)
+
+
+def training_device(local_rank: int, local_world: int) -> torch.device:
+    """CUDA (this process's local GPU) when available, else CPU with this process's share of the cores.
+
+    Without the share every CPU worker would start one thread per core and the
+    ``local_world`` workers of a node would oversubscribe it several times over.
+    """
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    return torch.device("cpu")
+
+
+def init_process_group(device: torch.device, pg_timeout_s: float) -> None:
+    """NCCL on CUDA, gloo on CPU, from the ``env://`` variables (``MASTER_ADDR``/``PORT``, ``RANK``, ``WORLD_SIZE``).
+
+    The timeout turns a dead or stuck peer into an error instead of a hang.
+    """
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend,
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timedelta(seconds=pg_timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+
+
+@dataclass(frozen=True)
+class Meshes:
+    """``cp``: the 1-D CP sub-mesh (K/V exchange); ``dp_cp``: every rank, flattened (gradients, loss count)."""
+
+    cp: DeviceMesh
+    dp_cp: DeviceMesh
+
+
+def build_meshes(topology: Topology, device: torch.device) -> Meshes:
+    """The 2-D ``("dp", "cp")`` mesh's CP dimension and its flattened ``dp x cp`` dimension."""
+    mesh = init_device_mesh(device.type, (topology.dp, topology.cp), mesh_dim_names=("dp", "cp"))
+    return Meshes(cp=mesh["cp"], dp_cp=mesh["dp", "cp"]._flatten("dp_cp"))
+
+
+def shard_model(model: torch.nn.Module, flat: DeviceMesh) -> FSDPModule:
+    """FSDP2 over the flattened ``dp x cp`` mesh: one unit per decoder layer, then the root; SUM-reduced gradients."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    for layer in layers if layers is not None else []:
+        fully_shard(layer, mesh=flat)
+    fully_shard(model, mesh=flat)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return model

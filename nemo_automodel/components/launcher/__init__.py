@@ -1,0 +1,1 @@
+"""How the recipe's processes start: torchrun, Slurm ``srun``, or local workers via ``elastic_launch``."""

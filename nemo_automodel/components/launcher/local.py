@@ -1,0 +1,82 @@
+"""Start ``world`` local workers with ``torch.distributed.launcher.api.elastic_launch`` (torchrun's machinery).
+
+The parent resolved the config once; each worker receives it as a plain dict plus
+the one run dir, so no worker composes Hydra or makes its own output directory.
+SIGTERM/SIGINT/SIGHUP/SIGQUIT/SIGUSR1 to the parent are forwarded to the workers
+by the elastic agent, which then waits ``dist.shutdown_timeout_s`` for them to
+checkpoint before killing them. A worker that stops for any reason other than
+success must *exit* with its code rather than return it: the agent only collects
+return values on success, and a returned value would leave the worker waiting
+for the agent to read it. The parent's exit code is 0 when every worker
+finished, :data:`EXIT_PREEMPTED` when rank 0 recorded a complete preemption
+checkpoint (``preempted.json``), and 1 (or ``128 + signal``) otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from nemo_automodel.components.config.schema import DistConfig
+from nemo_automodel.components.training.preemption import EXIT_PREEMPTED, preempted_marker_step
+
+logger = logging.getLogger(__name__)
+
+# The elastic agent's default set plus SIGUSR1 (Slurm's usual pre-timeout signal).
+FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_local_workers(
+    nproc: int, entrypoint: Callable[..., int], args: tuple[Any, ...], dist_cfg: DistConfig, run_dir: Path
+) -> int:
+    """Run ``entrypoint(*args)`` on ``nproc`` local processes; return the job's exit code (module docstring)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    port = dist_cfg.master_port or free_port()
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"finetune-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{port}",
+        max_restarts=0,
+        monitor_interval=0.2,
+        start_method="spawn",
+        shutdown_timeout=dist_cfg.shutdown_timeout_s,
+        signals_to_handle=FORWARDED_SIGNALS,
+    )
+    logger.info("starting %d local workers (elastic_launch, rendezvous 127.0.0.1:%d)", nproc, port)
+    try:
+        results = elastic_launch(config, entrypoint)(*args)
+    except ChildFailedError as exc:
+        if _preempted(run_dir, "a signal to the workers"):
+            return EXIT_PREEMPTED
+        logger.error("worker(s) failed:\n%s", exc.format_msg())
+        return 1
+    except SignalException as exc:
+        if _preempted(run_dir, exc.sigval.name):
+            return EXIT_PREEMPTED
+        logger.error("stopped by %s before the workers could checkpoint", exc.sigval.name)
+        return 128 + int(exc.sigval)
+    return max(results.values())
+
+
+def _preempted(run_dir: Path, cause: str) -> bool:
+    step = preempted_marker_step(run_dir)
+    if step is not None:
+        logger.warning("preempted by %s: checkpoint of step %d saved; requeue to resume", cause, step)
+    return step is not None

@@ -1,0 +1,1 @@
+"""The causal LM and how its attention reaches block-diagonal CP."""

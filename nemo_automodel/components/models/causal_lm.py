@@ -1,0 +1,58 @@
+"""Build the causal LM: a local HF checkpoint, or a seeded random Llama of the configured size."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
+
+from nemo_automodel.components.config.schema import ModelConfig
+from nemo_automodel.components.models.cp_attention import attn_implementation_for, register_cp_attention
+
+
+def llama_config(cfg: ModelConfig, vocab_size: int) -> LlamaConfig:
+    """The ``LlamaConfig`` of a model built from ``cfg``'s size fields."""
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_theta=cfg.rope_theta,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
+
+
+def build_causal_lm(cfg: ModelConfig, vocab_size: int, seed: int, activation_checkpointing: bool) -> PreTrainedModel:
+    """The fp32 model in train mode, identical on every rank (same ``seed`` -> same weights).
+
+    Args:
+        cfg: Model section (``pretrained_path`` loads from disk, never the hub).
+        vocab_size: Tokenizer vocabulary (the built model's embedding rows).
+        seed: Seeds the random init of a built model.
+        activation_checkpointing: Recompute decoder layers in backward (non-reentrant checkpoint).
+    """
+    register_cp_attention()
+    attn = attn_implementation_for(cfg.attention)
+    if cfg.pretrained_path is not None:
+        model = AutoModelForCausalLM.from_pretrained(
+            cfg.pretrained_path, local_files_only=True, dtype=torch.float32, attn_implementation=attn
+        )
+        model.config.use_cache = False
+    else:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(
+            llama_config(cfg, vocab_size), dtype=torch.float32, attn_implementation=attn
+        )
+    if model.get_input_embeddings().num_embeddings < vocab_size:
+        raise ValueError(
+            f"model.pretrained_path={cfg.pretrained_path}: the model has {model.get_input_embeddings().num_embeddings} "
+            f"embedding rows but the tokenizer has {vocab_size} tokens; use the model's own tokenizer "
+            "(tokenizer.name_or_path=<model dir>)"
+        )
+    if activation_checkpointing:
+        model.activation_checkpointing_enable()
+    model.train()
+    return model

@@ -1,0 +1,1 @@
+"""The training loop's parts: loss, optimizer and schedule, one step, metrics, seeding, preemption."""

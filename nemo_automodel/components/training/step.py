@@ -1,0 +1,162 @@
+"""One optimizer step over ``grad_accum`` packed rows with block-diagonal CP."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from nemo_automodel.components.config.schema import CPConfig
+from nemo_automodel.components.distributed.blockdiag_cp import (
+    cp_attn_fire_count,
+    exchange_stats,
+    make_cp_blockdiag_batch_and_ctx,
+    reset_cp_attn_fire_count,
+)
+from nemo_automodel.components.distributed.parallel import Meshes
+from nemo_automodel.components.models.cp_attention import attention_scope
+from nemo_automodel.components.training.loss import global_label_count, token_ce_sum
+
+
+@dataclass(frozen=True)
+class StepSetup:
+    """What every step needs besides the model and the data.
+
+    Attributes:
+        meshes: The CP sub-mesh and the flattened ``dp x cp`` mesh.
+        device: Where the model lives.
+        cp: The CP knobs (canonical ``attn_backend`` / ``kv_exchange``).
+        attention: The ``model.attention`` route.
+        pad_id: Fill for CP padding of ``input_ids``.
+        grad_clip: Max global grad norm (``0``: no clipping; the norm is still reported).
+        bf16: bf16 autocast (applied on CUDA only).
+    """
+
+    meshes: Meshes
+    device: torch.device
+    cp: CPConfig
+    attention: str
+    pad_id: int
+    grad_clip: float
+    bf16: bool
+
+    @property
+    def reduce_group(self) -> dist.ProcessGroup:
+        return self.meshes.dp_cp.get_group()
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Global (all-reduced) values of one step.
+
+    Attributes:
+        loss: Mean CE over every label token of the global batch.
+        grad_norm: Global gradient norm before clipping.
+        tokens: Non-padding tokens of the global batch.
+        kv_path: K/V exchange of the step's last CP attention call (``None`` at ``cp = 1``).
+        kv_tokens_received: K/V tokens that call received, summed over all ranks.
+    """
+
+    loss: float
+    grad_norm: float
+    tokens: int
+    kv_path: str | None
+    kv_tokens_received: int
+
+
+def _shard(setup: StepSetup, row: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:
+    """This rank's CP slice of one packed row and its step context."""
+    row = {k: v.to(setup.device) for k, v in row.items()}
+    train_ctx, local, _ = make_cp_blockdiag_batch_and_ctx(
+        setup.meshes.cp,
+        None,
+        row,
+        padding_token_id=setup.pad_id,
+        attn_backend=setup.cp.attn_backend,
+        kv_exchange=setup.cp.kv_exchange,
+    )
+    return train_ctx, local
+
+
+def _autocast(setup: StepSetup) -> contextlib.AbstractContextManager[None]:
+    enabled = setup.bf16 and setup.device.type == "cuda"
+    return torch.autocast(setup.device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
+def _check_cp_reached_attention(setup: StepSetup) -> None:
+    """After the first CP forward: fail on every rank if the model's attention never called CP attention."""
+    if setup.meshes.cp.size() > 1 and cp_attn_fire_count() == 0:
+        raise RuntimeError(
+            f"cp.size={setup.meshes.cp.size()} but the model's attention never reached block-diagonal CP "
+            f"(model.attention={setup.attention}): each rank attended only to its own shard. Use "
+            "model.attention=hf_interface for HF models (AttentionInterface), or model.attention=patch_sdpa for "
+            "models that call torch.nn.functional.scaled_dot_product_attention"
+        )
+
+
+def _grad_norm(model: torch.nn.Module, max_norm: float) -> float:
+    """Global L2 norm of the (FSDP-sharded) gradients; clips when ``max_norm > 0``."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    rows: list[dict[str, torch.Tensor]],
+    setup: StepSetup,
+    check_cp: bool = False,
+) -> StepResult:
+    """Forward/backward every row (one micro-batch each), then clip and step.
+
+    Each micro-batch loss is its CE sum divided by the label-token count of the
+    whole step on all ``dp x cp`` ranks; FSDP2 SUM-reduces gradients on the last
+    micro-batch, so the update equals the ``cp = 1`` update on the same rows.
+
+    Args:
+        rows: This dp rank's packed rows, each ``{input_ids, labels, position_ids, _packed_seq_ids}`` ``[1, S]``.
+        check_cp: Verify after the first forward that attention went through CP (first step of a run).
+    """
+    if check_cp:
+        reset_cp_attn_fire_count()
+    shards = [_shard(setup, row) for row in rows]
+    # clamp: a step whose rows hold only one-token documents has no label (its loss is 0, not NaN)
+    total_labels = global_label_count([local["labels"] for _, local in shards], setup.reduce_group).clamp(min=1)
+    ce_sum = torch.zeros((), dtype=torch.float64, device=setup.device)
+    tokens = torch.zeros((), dtype=torch.int64, device=setup.device)
+    for i, (train_ctx, local) in enumerate(shards):
+        if isinstance(model, FSDPModule):
+            model.set_requires_gradient_sync(i == len(shards) - 1)  # reduce once, after the last micro-batch
+        with train_ctx(), attention_scope(setup.attention):
+            with _autocast(setup):
+                logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+            if check_cp and i == 0:
+                _check_cp_reached_attention(setup)
+            micro_ce = token_ce_sum(logits, local["labels"])
+            (micro_ce / total_labels).backward()  # keep the CP context open: recompute reads it
+        ce_sum += micro_ce.detach().double()
+        tokens += (~local["padding_mask"]).sum()
+    grad_norm = _grad_norm(model, setup.grad_clip)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    stats = exchange_stats() if setup.meshes.cp.size() > 1 else None
+    kv_received = float(stats["kv_tokens_received"]) if stats else 0.0
+    totals = torch.stack([ce_sum, tokens.double(), torch.tensor(kv_received, dtype=torch.float64, device=setup.device)])
+    dist.all_reduce(totals, group=setup.reduce_group)
+    return StepResult(
+        loss=float(totals[0] / total_labels),
+        grad_norm=grad_norm,
+        tokens=int(totals[1]),
+        kv_path=stats["path"] if stats else None,
+        kv_tokens_received=int(totals[2]),
+    )

@@ -1,0 +1,1 @@
+"""Recipes: wiring of the components into runnable jobs."""

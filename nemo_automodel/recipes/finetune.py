@@ -1,0 +1,264 @@
+"""Packed-sequence fine-tuning with block-diagonal context parallelism.
+
+``main`` runs once in the launching process (the Hydra app): it validates the
+config and either becomes the worker (torchrun / Slurm / a single local rank) or
+starts ``dp * cp`` local workers. ``worker_main`` joins the process group and
+calls ``train``, which reads top to bottom: data, model, optimizer, resume, loop,
+final checkpoint, HF export.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from nemo_automodel.components.checkpoint.dcp import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
+from nemo_automodel.components.checkpoint.hf_export import export_hf
+from nemo_automodel.components.config.checks import check_paths
+from nemo_automodel.components.config.schema import FinetuneConfig, to_finetune_config, to_plain_dict
+from nemo_automodel.components.datasets.loader import RowSchedule, build_packed_dataset
+from nemo_automodel.components.datasets.tokenizer import HFTokenizer, build_tokenizer
+from nemo_automodel.components.distributed.parallel import (
+    Topology,
+    build_meshes,
+    init_process_group,
+    resolve_topology,
+    shard_model,
+    training_device,
+)
+from nemo_automodel.components.launcher.env import detect_launch
+from nemo_automodel.components.launcher.local import free_port, launch_local_workers
+from nemo_automodel.components.models.causal_lm import build_causal_lm
+from nemo_automodel.components.training.metrics import MetricsWriter, StepMetrics, configure_logging
+from nemo_automodel.components.training.optim import build_optimizer, build_scheduler
+from nemo_automodel.components.training.preemption import (
+    EXIT_PREEMPTED,
+    PreemptionFlag,
+    clear_preempted_marker,
+    write_preempted_marker,
+)
+from nemo_automodel.components.training.rng import seed_everything
+from nemo_automodel.components.training.step import StepSetup, train_step
+
+logger = logging.getLogger("nemo_automodel.finetune")
+
+
+def main(cfg: DictConfig, run_dir: Path) -> int:
+    """Validate ``cfg`` and run the job from the launching process; return its exit code."""
+    config = to_finetune_config(cfg)  # unknown values fail here, before any process starts
+    check_paths(config)
+    launch = detect_launch(master_port=config.dist.master_port)
+    payload = to_plain_dict(config)
+    if launch.mode != "local":  # torchrun / srun: this process is one of the workers
+        return worker_main(payload, str(run_dir))
+    world = (config.dist.dp_size or 1) * config.cp.size
+    clear_preempted_marker(run_dir)
+    if world == 1:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(config.dist.master_port or free_port()))
+        return worker_main(payload, str(run_dir))
+    return launch_local_workers(world, local_worker, (payload, str(run_dir)), config.dist, run_dir)
+
+
+def local_worker(payload: dict[str, Any], run_dir: str) -> int:
+    """``elastic_launch`` entry point: :func:`worker_main`, exiting with its code unless it is 0.
+
+    The elastic agent reads return values only from successful workers; a preempted
+    worker must exit with :data:`EXIT_PREEMPTED` so the agent sees it leave.
+    """
+    code = worker_main(payload, run_dir)
+    if code:
+        sys.exit(code)
+    return code
+
+
+def worker_main(payload: dict[str, Any], run_dir: str) -> int:
+    """One rank: check the topology, join the process group, train, leave; return the exit code."""
+    config = to_finetune_config(payload)
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    topology = resolve_topology(world, rank, local_rank, config.cp.size, config.dist.dp_size)  # before any collective
+    device = training_device(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    init_process_group(device, config.dist.pg_timeout_s)
+    try:
+        shared = [run_dir]
+        dist.broadcast_object_list(shared, src=0)  # under torchrun every rank's Hydra made its own dir: use rank 0's
+        return train(config, Path(shared[0]), topology, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def train(config: FinetuneConfig, run_dir: Path, topology: Topology, device: torch.device) -> int:
+    """Collective: the training job on an initialized process group; return 0 or :data:`EXIT_PREEMPTED`."""
+    configure_logging(topology.rank)
+    trainer = config.trainer
+    seed_everything(trainer.seed)
+    meshes = build_meshes(topology, device)
+    if topology.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(OmegaConf.create(to_plain_dict(config)), run_dir / "resolved_config.yaml")
+
+    tokenizer = build_tokenizer(config.tokenizer)
+    dataset = build_packed_dataset(config.data, tokenizer)
+    schedule = RowSchedule(len(dataset), topology.dp, trainer.grad_accum, config.data.seed)
+    model = build_causal_lm(config.model, tokenizer.vocab_size, trainer.seed, trainer.activation_checkpointing)
+    hf_config = model.config
+    model = shard_model(model.to(device), meshes.dp_cp)
+    optimizer = build_optimizer(model, config.optim)
+    scheduler = build_scheduler(optimizer, config.optim, trainer.max_steps)
+    _log_setup(config, topology, device, dataset, model, run_dir)
+
+    ckpt_root = run_dir / "checkpoints"
+    start_step = _resume(trainer.resume, ckpt_root, model, optimizer, scheduler, topology, schedule)
+
+    def save(step: int) -> Path:
+        state = TrainerState(
+            step, step * schedule.rows_per_step, scheduler.state_dict(), topology.world, topology.dp, topology.cp
+        )
+        path = save_checkpoint(ckpt_root, state, model, optimizer, trainer.keep_checkpoints, topology.rank)
+        logger.info("checkpoint saved: %s", path)
+        return path
+
+    setup = StepSetup(
+        meshes=meshes,
+        device=device,
+        cp=config.cp,
+        attention=config.model.attention,
+        pad_id=tokenizer.pad_id,
+        grad_clip=config.optim.grad_clip,
+        bf16=trainer.bf16,
+    )
+    writer = MetricsWriter(run_dir, topology.is_main, start_step, trainer.max_steps, trainer.log_every)
+    preemption = PreemptionFlag().install()
+    try:
+        for step in range(start_step, trainer.max_steps):
+            rows = [dataset.row(schedule.row_index(step, m, topology.dp_rank)) for m in range(trainer.grad_accum)]
+            lr = scheduler.get_last_lr()[0]
+            began = time.perf_counter()
+            result = train_step(model, optimizer, scheduler, rows, setup, check_cp=step == start_step)
+            elapsed = time.perf_counter() - began
+            writer.log(
+                StepMetrics(
+                    step=step + 1,
+                    loss=result.loss,
+                    lr=lr,
+                    grad_norm=result.grad_norm,
+                    tokens=result.tokens,
+                    tokens_per_s=result.tokens / elapsed,
+                    step_time_s=elapsed,
+                    kv_path=result.kv_path,
+                    kv_tokens_received=result.kv_tokens_received if result.kv_path else None,
+                )
+            )
+            done = step + 1
+            if done < trainer.max_steps and preemption.agreed(setup.reduce_group, device):
+                path = save(done)
+                if topology.is_main:
+                    write_preempted_marker(run_dir, done, path, preemption.signal_name)
+                    logger.warning(
+                        "preempted (%s) after step %d: checkpoint %s saved; exit %d = requeue me",
+                        preemption.signal_name or "signal on a peer rank",
+                        done,
+                        path,
+                        EXIT_PREEMPTED,
+                    )
+                return EXIT_PREEMPTED
+            if trainer.ckpt_every and done % trainer.ckpt_every == 0 and done < trainer.max_steps:
+                save(done)
+    finally:
+        preemption.uninstall()
+        writer.close()
+
+    if start_step < trainer.max_steps:  # a run resumed at its last step has nothing new to save
+        save(trainer.max_steps)
+    if trainer.export_hf:
+        _export(model, hf_config, tokenizer, run_dir / "hf", topology)
+    logger.info("done: %d steps; outputs in %s", trainer.max_steps, run_dir)
+    return 0
+
+
+def _resume(
+    mode: str,
+    ckpt_root: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    topology: Topology,
+    schedule: RowSchedule,
+) -> int:
+    """Load the latest complete checkpoint when ``trainer.resume=auto``; return the step to continue from."""
+    path = latest_checkpoint(ckpt_root) if mode == "auto" else None
+    if path is None:
+        return 0
+    state = load_checkpoint(path, model, optimizer, topology.rank)
+    scheduler.load_state_dict(state.scheduler)
+    if state.rows_consumed != state.step * schedule.rows_per_step:
+        logger.warning(
+            "resuming with a different dp * grad_accum (%d rows/step now, %d before): the data order "
+            "differs from the uninterrupted run",
+            schedule.rows_per_step,
+            state.rows_consumed // state.step,
+        )
+    logger.info("resumed from %s (step %d)", path, state.step)
+    return state.step
+
+
+def _log_setup(
+    config: FinetuneConfig,
+    topology: Topology,
+    device: torch.device,
+    dataset: Any,
+    model: torch.nn.Module,
+    run_dir: Path,
+) -> None:
+    n_params = sum(p.numel() for p in model.parameters())
+    label_tokens = int((dataset.labels != -100).sum())
+    fill = float((dataset.seq_ids > 0).float().mean())
+    logger.info("run dir: %s", run_dir)
+    logger.info(
+        "world %d = dp %d x cp %d on %s; gradients: FSDP2 over dp x cp (SUM, loss / global label count)",
+        topology.world,
+        topology.dp,
+        topology.cp,
+        device,
+    )
+    if topology.cp > 1:
+        logger.info(
+            "block-diagonal CP: cp=%d attn_backend=%s kv_exchange=%s, attention via %s",
+            topology.cp,
+            config.cp.attn_backend,
+            config.cp.kv_exchange,
+            config.model.attention,
+        )
+    logger.info(
+        "data: %s, %d packed rows of %d tokens (%.1f%% filled, %d label tokens, %s)",
+        config.data.source,
+        len(dataset),
+        config.data.seq_len,
+        100 * fill,
+        label_tokens,
+        config.data.packing_algorithm,
+    )
+    logger.info(
+        "model: %s, %.2fM parameters; global batch %d rows/step; %d steps",
+        config.model.pretrained_path or "Llama from config",
+        n_params / 1e6,
+        topology.dp * config.trainer.grad_accum,
+        config.trainer.max_steps,
+    )
+
+
+def _export(model: torch.nn.Module, hf_config: Any, tokenizer: Any, out_dir: Path, topology: Topology) -> None:
+    path = export_hf(model, hf_config, out_dir, topology.rank)
+    if path is not None:
+        if isinstance(tokenizer, HFTokenizer):
+            tokenizer.save_pretrained(path)
+        logger.info("HF export: %s", path)

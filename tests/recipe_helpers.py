@@ -1,0 +1,113 @@
+"""Tiny recipe configs, pool-worker entry points and run-dir readers for the recipe tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nemo_automodel.components.config.schema import to_finetune_config
+from nemo_automodel.components.distributed.blockdiag_cp import make_cp_blockdiag_batch_and_ctx
+from nemo_automodel.components.distributed.parallel import resolve_topology
+from nemo_automodel.components.models.causal_lm import build_causal_lm
+from nemo_automodel.recipes.finetune import train
+
+REPO = Path(__file__).resolve().parents[1]
+
+# hidden 64, 2 layers, 8 q / 4 kv heads, byte vocab, 256-token rows: seconds per run on 2 CPU cores.
+TINY_MODEL = {"hidden_size": 64, "num_layers": 2, "num_heads": 8, "num_kv_heads": 4, "intermediate_size": 128}
+TINY_DATA = {"seq_len": 256, "num_documents": 300, "max_doc_len": 400}
+
+# The same tiny run as Hydra CLI overrides (for the subprocess tests).
+TINY_OVERRIDES = [f"model.{k}={v}" for k, v in TINY_MODEL.items()] + [f"data.{k}={v}" for k, v in TINY_DATA.items()]
+
+
+def tiny_config(**sections: dict[str, Any]) -> dict[str, Any]:
+    """A plain config dict for a tiny run; ``sections`` update the named sections."""
+    cfg: dict[str, Any] = {
+        "model": dict(TINY_MODEL),
+        "data": dict(TINY_DATA),
+        "trainer": {"max_steps": 20, "grad_accum": 2, "log_every": 5, "ckpt_every": 0, "export_hf": True},
+        "optim": {"warmup_steps": 5},
+    }
+    for name, values in sections.items():
+        cfg.setdefault(name, {}).update(values)
+    return cfg
+
+
+def read_losses(run_dir: Path) -> dict[int, float]:
+    """``{step: loss}`` from ``metrics.jsonl`` (a later line for the same step wins, as after a resume)."""
+    losses: dict[int, float] = {}
+    path = run_dir / "metrics.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            losses[record["step"]] = record["loss"]
+    return losses
+
+
+def train_in_pool(payload: dict[str, Any], run_dir: str) -> dict[str, Any] | None:
+    """Pool worker: train on the pool's process group; rank 0 returns losses and the exported weights."""
+    from safetensors.torch import load_file
+
+    config = to_finetune_config(payload)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    topology = resolve_topology(world, rank, rank, config.cp.size, config.dist.dp_size)
+    code = train(config, Path(run_dir), topology, torch.device("cpu"))
+    if rank != 0:
+        return None
+    return {
+        "code": code,
+        "losses": read_losses(Path(run_dir)),
+        "weights": load_file(str(Path(run_dir) / "hf" / "model.safetensors")),
+    }
+
+
+def packed_logits(route: str, rows: list[dict[str, torch.Tensor]], kv_exchange: str) -> list[torch.Tensor]:
+    """Pool worker: full-row logits ``[S, V]`` of each packed row through the real model, CP over the whole pool."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from nemo_automodel.components.config.schema import ModelConfig
+    from nemo_automodel.components.models.cp_attention import attention_scope
+
+    model = build_causal_lm(ModelConfig(attention=route, **TINY_MODEL), 256, seed=7, activation_checkpointing=False)
+    model.eval()
+    world = dist.get_world_size()
+    cp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    out = []
+    for row in rows:
+        ctx, local, layout = make_cp_blockdiag_batch_and_ctx(cp_mesh, None, row, kv_exchange=kv_exchange)
+        with torch.no_grad(), ctx(), attention_scope(route):
+            logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits[0]
+        gathered = [torch.empty_like(logits) for _ in range(world)]
+        dist.all_gather(gathered, logits.contiguous())
+        out.append(torch.cat(gathered)[: layout.original_seq_len])
+    return out
+
+
+def run_recipe(args: list[str], timeout: float = 240, **popen: Any) -> subprocess.CompletedProcess[str]:
+    """``python recipes/finetune.py *args`` with this checkout first on the path; a hang fails by timeout."""
+    return subprocess.run(
+        [sys.executable, str(REPO / "recipes" / "finetune.py"), *args],
+        cwd=REPO,
+        env=recipe_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **popen,
+    )
+
+
+def recipe_env() -> dict[str, str]:
+    """The environment for a recipe subprocess: no inherited launcher variables, this checkout importable."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
