@@ -55,25 +55,25 @@ def missing_binaries() -> list[str]:
     return [name for name in BINARIES if binary(name) is None]
 
 
+def apt_get(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    return subprocess.run(["apt-get", *args], env=env, capture_output=True, text=True, timeout=APT_TIMEOUT_S)
+
+
 def install_packages() -> str | None:
     """apt-get install the packages; return why that was impossible, or None on success."""
     if os.geteuid() != 0:
         return "installing slurm-wlm and munge needs root"
     if binary("apt-get") is None:
         return "there is no apt-get to install slurm-wlm and munge with"
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-q", *PACKAGES]
-    # The package lists may be missing or stale on a fresh machine: refresh once, then retry.
-    for attempt in ([install], [["apt-get", "update", "-q"], install]):
-        failed = None
-        for command in attempt:
-            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=APT_TIMEOUT_S)
-            if done.returncode != 0:
-                failed = f"{' '.join(command)} failed ({done.returncode}): {done.stderr.strip()[-2000:]}"
-                break
-        if failed is None:
-            return None
-    return failed
+    if apt_get("install", "-y", "-q", *PACKAGES).returncode == 0:
+        return None
+    # The package lists may be missing or stale on a fresh machine: refresh them once, retry.
+    for step in (("update", "-q"), ("install", "-y", "-q", *PACKAGES)):
+        done = apt_get(*step)
+        if done.returncode != 0:
+            return f"apt-get {step[0]} failed ({done.returncode}): {done.stderr.strip()[-2000:]}"
+    return None
 
 
 def unavailable_reason() -> str | None:

@@ -1,4 +1,4 @@
-"""The live-Slurm fixture: one throwaway single-node cluster for the whole session."""
+"""Live-Slurm fixtures: Slurm installed (or a skip/CI failure), and one cluster for the session."""
 
 from __future__ import annotations
 
@@ -17,13 +17,17 @@ def running_in_ci() -> bool:
 
 
 @pytest.fixture(scope="session")
-def slurm_cluster() -> Iterator[slurm.Cluster]:
+def slurm_installed() -> None:
     reason = slurm.unavailable_reason()
     if reason is not None:
         # CI installs Slurm (.ci/run) and must exercise it: there, a missing cluster is a failure.
         if running_in_ci():
             pytest.fail(f"CI must run the live-Slurm tests, but: {reason}")
         pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(slurm_installed: None) -> Iterator[slurm.Cluster]:
     cluster = slurm.start(Path(tempfile.mkdtemp(prefix="slurm-test-")))
     try:
         yield cluster
