@@ -98,10 +98,16 @@ def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None
         time.sleep(0.1)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("", 0))
-        return probe.getsockname()[1]
+def free_ports(count: int) -> list[int]:
+    """Ports free right now; all probes stay bound until the end so the ports are distinct."""
+    probes = [socket.socket() for _ in range(count)]
+    try:
+        for probe in probes:
+            probe.bind(("", 0))
+        return [probe.getsockname()[1] for probe in probes]
+    finally:
+        for probe in probes:
+            probe.close()
 
 
 def process_alive(pid: int, name: str) -> bool:
@@ -178,11 +184,12 @@ def slurm_conf(cluster: Cluster, node: str) -> str:
     node_name = node.split()[0].removeprefix("NodeName=")
     state = cluster.root / "state"
     spool = cluster.root / "spool"
+    controller_port, node_port = free_ports(2)
     settings = {
         "ClusterName": "blockdiag-cp-test",
         "SlurmctldHost": node_name,
-        "SlurmctldPort": free_port(),
-        "SlurmdPort": free_port(),
+        "SlurmctldPort": controller_port,
+        "SlurmdPort": node_port,
         "SlurmUser": "root",
         "AuthType": "auth/munge",
         "CredType": "cred/munge",
