@@ -26,6 +26,7 @@ from nemo_automodel.components.config.checks import check_paths
 from nemo_automodel.components.config.schema import FinetuneConfig, to_finetune_config, to_plain_dict
 from nemo_automodel.components.datasets.loader import RowSchedule, build_packed_dataset
 from nemo_automodel.components.datasets.tokenizer import HFTokenizer, build_tokenizer
+from nemo_automodel.components.distributed.blockdiag_cp import configure_cp_varlen
 from nemo_automodel.components.distributed.parallel import (
     Topology,
     build_meshes,
@@ -101,6 +102,14 @@ def train(config: FinetuneConfig, run_dir: Path, topology: Topology, device: tor
     configure_logging(topology.rank)
     trainer = config.trainer
     seed_everything(trainer.seed)
+    # Process-wide CP settings (overlap applies to every step); each step's batch builder also
+    # snapshots the knobs into its step state, so the training path never reads these globals.
+    configure_cp_varlen(
+        attn_backend=config.cp.attn_backend,
+        kv_exchange=config.cp.kv_exchange,
+        layout=config.cp.layout,
+        overlap=config.cp.overlap,
+    )
     meshes = build_meshes(topology, device)
     if topology.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -232,10 +241,12 @@ def _log_setup(
     )
     if topology.cp > 1:
         logger.info(
-            "block-diagonal CP: cp=%d attn_backend=%s kv_exchange=%s, attention via %s",
+            "block-diagonal CP: cp=%d attn_backend=%s kv_exchange=%s layout=%s overlap=%s, attention via %s",
             topology.cp,
             config.cp.attn_backend,
             config.cp.kv_exchange,
+            config.cp.layout,
+            config.cp.overlap,
             config.model.attention,
         )
     logger.info(

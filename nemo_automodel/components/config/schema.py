@@ -14,7 +14,11 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from nemo_automodel.components.distributed.blockdiag_cp.state import normalize_attn_backend, normalize_kv_exchange
+from nemo_automodel.components.distributed.blockdiag_cp.state import (
+    normalize_attn_backend,
+    normalize_kv_exchange,
+    normalize_layout,
+)
 
 # How the model's attention reaches block-diagonal CP:
 # - ``hf_interface``: a function registered in transformers' ``AttentionInterface``
@@ -200,17 +204,22 @@ class CPConfig:
         size: CP ranks per packed row (``1``: no CP; attention still block-diagonal).
         attn_backend: Kernel, any spelling :func:`normalize_attn_backend` accepts (stored canonical).
         kv_exchange: K/V exchange, any spelling :func:`normalize_kv_exchange` accepts (stored canonical).
+        layout: How tokens are placed on ranks, any spelling :func:`normalize_layout` accepts.
+        overlap: Attend local-key documents while the K/V exchange is in flight.
     """
 
     size: int = 1
     attn_backend: str = "auto"
     kv_exchange: str = "halo"
+    layout: str = "contiguous"
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         _require_positive("cp.size", self.size)
         try:
             self.attn_backend = normalize_attn_backend(self.attn_backend)
             self.kv_exchange = normalize_kv_exchange(self.kv_exchange)
+            self.layout = normalize_layout(self.layout)
         except ValueError as exc:
             raise ValueError(f"cp: {exc}") from None
 

@@ -79,6 +79,7 @@ def _shard(setup: StepSetup, row: dict[str, torch.Tensor]) -> tuple[Any, dict[st
         padding_token_id=setup.pad_id,
         attn_backend=setup.cp.attn_backend,
         kv_exchange=setup.cp.kv_exchange,
+        layout=setup.cp.layout,
     )
     return train_ctx, local
 
