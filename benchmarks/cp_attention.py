@@ -35,6 +35,7 @@ import resource
 import socket
 import statistics
 import time
+import warnings
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from typing import Any
@@ -85,12 +86,12 @@ class Workload:
 WORKLOADS = {
     # ../shared/notes/metrics.md: cp=2, fp32, Hq=8, Hkv=4, D=64, S=8192, docs 3000,2000,1500,1000 then padding.
     "W8K": Workload(8192, (3000, 2000, 1500, 1000), kernels=("dense", "sdpa_varlen")),
-    # Long-tailed SFT mixes with documents longer than a shard. At 131072 tokens the
-    # heads are reduced (2/1 x 32) so that CPU iterations take seconds, not minutes.
-    "MIX32K": Workload(32768, sft_mix(32768, seed=1, max_len=24576), iters=3),
-    "MIX131K": Workload(131072, sft_mix(131072, seed=2, max_len=98304), heads=2, kv_heads=1, head_dim=32, iters=2),
+    # Long-tailed SFT mixes (MIX32K has documents longer than a shard). At 131072 tokens
+    # the heads are reduced (2/1 x 32) so that CPU iterations take seconds, not minutes.
+    "MIX32K": Workload(32768, sft_mix(32768, seed=1, max_len=20000), iters=3),
+    "MIX131K": Workload(131072, sft_mix(131072, seed=2, max_len=40000), heads=2, kv_heads=1, head_dim=32, iters=3),
     # One document filling the row: the contiguous layout's worst case (1 x 1 x 16 heads for CPU time).
-    "DOC131K": Workload(131072, (131072,), heads=1, kv_heads=1, head_dim=16, iters=2),
+    "DOC131K": Workload(131072, (131072,), heads=1, kv_heads=1, head_dim=16, iters=3),
 }
 
 
@@ -99,7 +100,9 @@ def upstream_dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
 
     ``q [1, Hq, L, D]``, ``k/v [1, Hkv, L, D]`` -> ``[1, Hq, L, D]``.
     """
-    from torch.distributed.nn.functional import all_gather
+    with warnings.catch_warnings():  # deprecated, but it is the differentiable all-gather upstream used
+        warnings.simplefilter("ignore", FutureWarning)
+        from torch.distributed.nn.functional import all_gather
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from nemo_automodel.components.distributed.blockdiag_cp.state import current_step_state

@@ -37,9 +37,17 @@ logger = logging.getLogger(__name__)
 # Torch's SDPA, captured before anything in this package can patch it.
 TORCH_SDPA = F.scaled_dot_product_attention
 
-# Upper bound on the boolean mask elements one SDPA call of `sdpa_varlen` may
-# build for a left-straddling document (16 Mi bools = 16 MiB).
+# `sdpa_varlen` handles a segment with earlier keys in row tiles with an explicit
+# mask: at most this many rows per tile (the masked-out half of a tile's diagonal
+# block is computed anyway, so smaller tiles waste less) and at most this many
+# mask elements per call.
+_TILE_ROWS = 256
 _MASK_BUDGET = 1 << 24
+
+
+def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``0`` where allowed, ``-inf`` elsewhere: the fused CPU kernel converts boolean masks to this on every call."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 @dataclass(frozen=True)
@@ -294,7 +302,7 @@ def _dense(
         q[:, :, : meta.n_real],
         k,
         v,
-        attn_mask=_dense_mask(meta, q.device),
+        attn_mask=_additive_mask(_dense_mask(meta, q.device), q.dtype),
         dropout_p=dropout_p,
         scale=scale,
         enable_gqa=gqa,
@@ -309,17 +317,18 @@ def _bottom_right_causal(
 
     Query row ``i`` sees keys ``[0, K - Q + i]``. SDPA's ``is_causal`` is aligned
     top-left, so rows are processed in tiles with a small explicit mask, each
-    tile reading only the keys up to its last row.
+    tile reading only the keys up to its last row; a tile of ``T`` rows computes
+    ``T^2 / 2`` masked pairs in vain, ``Q * T / 2`` over the segment.
     """
     q_len, k_len = q.shape[2], k.shape[2]
     prefix = k_len - q_len
-    rows = max(1, min(q_len, _MASK_BUDGET // k_len))
+    rows = max(1, min(q_len, _TILE_ROWS, _MASK_BUDGET // k_len))
     outs = []
     for a in range(0, q_len, rows):
         b = min(q_len, a + rows)
         key_end = prefix + b
         last_key = prefix + torch.arange(a, b, device=q.device)  # last key each row may see
-        mask = torch.arange(key_end, device=q.device)[None, :] <= last_key[:, None]
+        mask = _additive_mask(torch.arange(key_end, device=q.device)[None, :] <= last_key[:, None], q.dtype)
         outs.append(
             TORCH_SDPA(
                 q[:, :, a:b],
