@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from nemo_automodel.components.distributed.blockdiag_cp.layout import RankSegments
 from nemo_automodel.components.distributed.blockdiag_cp.logs import log_once
@@ -310,36 +311,95 @@ def _dense(
     return _pad_rows(out, meta.local_len)
 
 
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+class _PrefixThenCausal(torch.autograd.Function):
+    """Bottom-right causal attention of ``q [1, Hq, Q, D]`` over ``k/v [1, Hkv, P + Q, D]`` without a mask (CPU).
+
+    Split the keys: every row sees all ``P`` prefix keys (one unmasked flash
+    call) and the last ``Q`` keys causally (one ``is_causal`` call on a square);
+    the two partial softmaxes merge through their log-sum-exps. Backward calls
+    the flash backward per key block with the *merged* output and log-sum-exp,
+    which gives each block its exact gradient (the ring-attention identity).
+    Masks would cost memory (SDPA saves them) and, on CPU, most of the time.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+        prefix = k.shape[2] - q.shape[2]
+        blocks = ((slice(0, prefix), False), (slice(prefix, k.shape[2]), True))
+        parts = [_CPU_FLASH(q, k[:, :, keys], v[:, :, keys], 0.0, causal, scale=scale) for keys, causal in blocks]
+        (o1, l1), (o2, l2) = parts
+        lse = torch.logaddexp(l1, l2)
+        out = (torch.exp(l1 - lse).unsqueeze(-1) * o1 + torch.exp(l2 - lse).unsqueeze(-1) * o2).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.blocks = scale, blocks
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        grad = grad.contiguous()
+        dq = torch.zeros_like(q)
+        dks, dvs = [], []
+        for keys, causal in ctx.blocks:
+            gq, gk, gv = _CPU_FLASH_BACKWARD(
+                grad, q, k[:, :, keys], v[:, :, keys], out, lse, 0.0, causal, scale=ctx.scale
+            )
+            dq += gq
+            dks.append(gk)
+            dvs.append(gv)
+        return dq, torch.cat(dks, dim=2), torch.cat(dvs, dim=2), None
+
+
 def _bottom_right_causal(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, dropout_p: float, gqa: bool
 ) -> torch.Tensor:
-    """One document whose ``q [1, Hq, Q, D]`` rows are the last ``Q`` of its ``k [1, Hkv, K, D]`` keys.
+    """One segment whose ``q [1, Hq, Q, D]`` rows are the last ``Q`` of its ``k [1, Hkv, K, D]`` keys.
 
-    Query row ``i`` sees keys ``[0, K - Q + i]``. SDPA's ``is_causal`` is aligned
-    top-left, so rows are processed in tiles with a small explicit mask, each
-    tile reading only the keys up to its last row; a tile of ``T`` rows computes
-    ``T^2 / 2`` masked pairs in vain, ``Q * T / 2`` over the segment.
+    Query row ``i`` sees keys ``[0, K - Q + i]``. On CPU without dropout this is
+    :class:`_PrefixThenCausal` (no mask). Elsewhere SDPA's ``is_causal`` (aligned
+    top-left) does not fit, so rows are processed in tiles with a small explicit
+    mask, each tile reading only the keys up to its last row; a tile of ``T``
+    rows computes ``T^2 / 2`` masked pairs in vain. SDPA saves its mask for
+    backward, so when the segment's masks would add up to more than
+    ``_MASK_BUDGET`` elements each tile is checkpointed (its mask and scores are
+    rebuilt in backward) and memory stays one tile's worth.
     """
+    if q.device.type == "cpu" and dropout_p == 0.0 and _CPU_FLASH is not None and _CPU_FLASH_BACKWARD is not None:
+        return _PrefixThenCausal.apply(q, k, v, scale)
+    return _masked_tiles(q, k, v, scale, dropout_p, gqa)
+
+
+def _masked_tiles(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, dropout_p: float, gqa: bool
+) -> torch.Tensor:
+    """:func:`_bottom_right_causal` with explicit masks, in row tiles."""
     q_len, k_len = q.shape[2], k.shape[2]
     prefix = k_len - q_len
     rows = max(1, min(q_len, _TILE_ROWS, _MASK_BUDGET // k_len))
+    recompute = torch.is_grad_enabled() and q_len * k_len > _MASK_BUDGET
+
+    def tile(q_rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first_row: int) -> torch.Tensor:
+        last_key = prefix + first_row + torch.arange(q_rows.shape[2], device=q.device)  # last key each row sees
+        allowed = torch.arange(keys.shape[2], device=q.device)[None, :] <= last_key[:, None]
+        return TORCH_SDPA(
+            q_rows,
+            keys,
+            values,
+            attn_mask=_additive_mask(allowed, q.dtype),
+            dropout_p=dropout_p,
+            scale=scale,
+            enable_gqa=gqa,
+        )
+
     outs = []
     for a in range(0, q_len, rows):
         b = min(q_len, a + rows)
-        key_end = prefix + b
-        last_key = prefix + torch.arange(a, b, device=q.device)  # last key each row may see
-        mask = _additive_mask(torch.arange(key_end, device=q.device)[None, :] <= last_key[:, None], q.dtype)
-        outs.append(
-            TORCH_SDPA(
-                q[:, :, a:b],
-                k[:, :, :key_end],
-                v[:, :, :key_end],
-                attn_mask=mask,
-                dropout_p=dropout_p,
-                scale=scale,
-                enable_gqa=gqa,
-            )
-        )
+        args = (q[:, :, a:b], k[:, :, : prefix + b], v[:, :, : prefix + b], a)
+        outs.append(checkpoint(tile, *args, use_reentrant=False) if recompute else tile(*args))
     return torch.cat(outs, dim=2)
 
 
