@@ -42,6 +42,15 @@ def test_cp2_losses_and_weights_equal_cp1(pools, tmp_path, cp1_run, kv_exchange)
     _assert_same_training(result, cp1_run)
 
 
+@pytest.mark.parametrize(("layout", "kv_exchange"), [("balanced", "a2a"), ("balanced", "auto"), ("auto", "auto")])
+def test_cp2_with_reordered_layouts_equals_cp1(pools, tmp_path, cp1_run, layout, kv_exchange):
+    """The balanced layout permutes tokens (and their labels and positions): the training must not notice."""
+    cfg = tiny_config(cp={"size": 2, "layout": layout, "kv_exchange": kv_exchange})
+    result = pools.get(2).run_ok(train_in_pool, cfg, str(tmp_path), timeout=300)[0]
+    assert result["code"] == 0
+    _assert_same_training(result, cp1_run)
+
+
 def test_cp2_through_patched_sdpa_equals_cp1(pools, tmp_path, cp1_run):
     cfg = tiny_config(cp={"size": 2}, model={"attention": "patch_sdpa"})
     result = pools.get(2).run_ok(train_in_pool, cfg, str(tmp_path), timeout=300)[0]

@@ -359,14 +359,9 @@ def _bottom_right_causal(
 ) -> torch.Tensor:
     """One segment whose ``q [1, Hq, Q, D]`` rows are the last ``Q`` of its ``k [1, Hkv, K, D]`` keys.
 
-    Query row ``i`` sees keys ``[0, K - Q + i]``. On CPU without dropout this is
-    :class:`_PrefixThenCausal` (no mask). Elsewhere SDPA's ``is_causal`` (aligned
-    top-left) does not fit, so rows are processed in tiles with a small explicit
-    mask, each tile reading only the keys up to its last row; a tile of ``T``
-    rows computes ``T^2 / 2`` masked pairs in vain. SDPA saves its mask for
-    backward, so when the segment's masks would add up to more than
-    ``_MASK_BUDGET`` elements each tile is checkpointed (its mask and scores are
-    rebuilt in backward) and memory stays one tile's worth.
+    Query row ``i`` sees keys ``[0, K - Q + i]``: SDPA's ``is_causal`` (aligned
+    top-left) does not fit. On CPU without dropout: :class:`_PrefixThenCausal`
+    (no mask); elsewhere :func:`_masked_tiles`.
     """
     if q.device.type == "cpu" and dropout_p == 0.0 and _CPU_FLASH is not None and _CPU_FLASH_BACKWARD is not None:
         return _PrefixThenCausal.apply(q, k, v, scale)
@@ -376,7 +371,14 @@ def _bottom_right_causal(
 def _masked_tiles(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, dropout_p: float, gqa: bool
 ) -> torch.Tensor:
-    """:func:`_bottom_right_causal` with explicit masks, in row tiles."""
+    """:func:`_bottom_right_causal` with explicit masks, in row tiles.
+
+    Each tile reads only the keys up to its last row; a tile of ``T`` rows
+    computes ``T^2 / 2`` masked pairs in vain. SDPA saves its mask for backward,
+    so when the segment's masks would add up to more than ``_MASK_BUDGET``
+    elements each tile is checkpointed (its mask and scores are rebuilt in
+    backward) and memory stays one tile's worth.
+    """
     q_len, k_len = q.shape[2], k.shape[2]
     prefix = k_len - q_len
     rows = max(1, min(q_len, _TILE_ROWS, _MASK_BUDGET // k_len))
