@@ -91,6 +91,8 @@ WORKLOADS = {
     # Long-tailed SFT mixes (MIX32K has documents longer than a shard). At 131072 tokens
     # the heads are reduced (2/1 x 32) so that CPU iterations take seconds, not minutes.
     "MIX32K": Workload(32768, sft_mix(32768, seed=1, max_len=20000), iters=3),
+    # The issue-2 memory check: 131072 tokens, W8K's heads (8/4 x 64), a realistic mix (16 to 16384 tokens).
+    "S131K": Workload(131072, sft_mix(131072), iters=2),
     "MIX131K": Workload(131072, sft_mix(131072, seed=2, max_len=40000), heads=2, kv_heads=1, head_dim=32, iters=3),
     # One document filling the row: the contiguous layout's worst case (1 x 1 x 16 heads for CPU time).
     "DOC131K": Workload(131072, (131072,), heads=1, kv_heads=1, head_dim=16, iters=3),
@@ -350,6 +352,11 @@ def main() -> None:
     parser.add_argument(
         "--no-overlap-baseline", action="store_true", help="skip the overlap-off run that measures the exchange time"
     )
+    parser.add_argument(
+        "--cp-overhead",
+        action="store_true",
+        help="also time one process on the full row (sdpa_varlen) and report the CP overhead",
+    )
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
     work = WORKLOADS[args.workload]
@@ -368,6 +375,15 @@ def main() -> None:
     )
     print(_table(rows))
     print(f"\nbare worker RSS (after init_process_group, before any work): {rows[0]['bare_rss_mib']} MiB")
+    if args.cp_overhead:
+        single = run_combo(replace(work, cp=1), Combo("contiguous", "allgather", "sdpa_varlen"), args.threads, False)
+        print(
+            f"\none process, full row, sdpa_varlen: {single['median_s']:.3f} s; CP overhead = T(cp ranks) / "
+            f"(T(one process) / cp):"
+        )
+        for r in rows:
+            overhead = r["median_s"] / (single["median_s"] / work.cp)
+            print(f"  {r['layout']}/{r['kv_exchange']}/{r['backend']}: {overhead:.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
