@@ -110,7 +110,7 @@ def train(config: FinetuneConfig, run_dir: Path, topology: Topology, device: tor
         layout=config.cp.layout,
         overlap=config.cp.overlap,
     )
-    meshes = build_meshes(topology, device)
+    meshes = build_meshes(topology, device, config.dist.pg_timeout_s)
     if topology.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(OmegaConf.create(to_plain_dict(config)), run_dir / "resolved_config.yaml")
