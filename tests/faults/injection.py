@@ -121,7 +121,9 @@ class AttentionStack(torch.nn.Module):
     def __init__(self, layers: int, injector: Injector, checkpointed: bool = False) -> None:
         super().__init__()
         dim = self.HIDDEN // self.HEADS
-        self.q = torch.nn.ModuleList(torch.nn.Linear(self.HIDDEN, self.HIDDEN, dtype=torch.float64) for _ in range(layers))
+        self.q = torch.nn.ModuleList(
+            torch.nn.Linear(self.HIDDEN, self.HIDDEN, dtype=torch.float64) for _ in range(layers)
+        )
         self.kv = torch.nn.ModuleList(
             torch.nn.Linear(self.HIDDEN, 2 * self.KV_HEADS * dim, dtype=torch.float64) for _ in range(layers)
         )
