@@ -38,6 +38,7 @@ from nemo_automodel.components.distributed.parallel import (
 from nemo_automodel.components.launcher.env import detect_launch
 from nemo_automodel.components.launcher.local import free_port, launch_local_workers
 from nemo_automodel.components.models.causal_lm import build_causal_lm
+from nemo_automodel.components.training.failure import propagate_failures
 from nemo_automodel.components.training.metrics import MetricsWriter, StepMetrics, configure_logging
 from nemo_automodel.components.training.optim import build_optimizer, build_scheduler
 from nemo_automodel.components.training.preemption import (
@@ -90,9 +91,10 @@ def worker_main(payload: dict[str, Any], run_dir: str) -> int:
     device = training_device(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     init_process_group(device, config.dist.pg_timeout_s)
     try:
-        shared = [run_dir]
-        dist.broadcast_object_list(shared, src=0)  # under torchrun every rank's Hydra made its own dir: use rank 0's
-        return train(config, Path(shared[0]), topology, device)
+        with propagate_failures(rank, world):  # a failure here is named on every rank, not just a broken collective
+            shared = [run_dir]
+            dist.broadcast_object_list(shared, src=0)  # under torchrun every rank's Hydra made its own dir: rank 0's
+            return train(config, Path(shared[0]), topology, device)
     finally:
         dist.destroy_process_group()
 

@@ -9,9 +9,12 @@ misbehaves on one rank, at one layer, once.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,7 +52,7 @@ class Fault:
 
 
 class _FailingGrad(torch.autograd.Function):
-    """Identity whose backward misbehaves (once per :class:`Injector`) and records when."""
+    """Identity whose backward misbehaves (once per :class:`Injector`)."""
 
     @staticmethod
     def forward(ctx: Any, out: torch.Tensor, injector: Injector) -> torch.Tensor:
@@ -59,9 +62,9 @@ class _FailingGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
         injector = ctx.injector
-        if injector.fired_at is not None:  # a second node of the same layer (or a discarded forward's)
+        if injector.fired_at is not None:  # a second node of the same layer, or of a discarded recompute
             return grad, None
-        injector.fired_at = time.monotonic()
+        injector.fire()
         if injector.fault.kind == "bad_grad":
             return grad[..., :-1], None  # autograd rejects the shape: an exception inside the guarded backward
         raise RuntimeError(f"injected backward failure on rank {injector.fault.rank}")
@@ -70,8 +73,13 @@ class _FailingGrad(torch.autograd.Function):
 class Injector:
     """Wraps a kernel ``fn(q, k, v, meta, scale, dropout_p)``; misbehaves per :class:`Fault` on its rank.
 
-    ``layer`` is set by the model before each attention call (and again by
-    activation-checkpoint recompute), so the fault hits the configured layer.
+    ``layer`` is set by the caller before each attention call (the model, and
+    activation-checkpoint recompute, set the layer index; the recipe hook the
+    call count), so the fault hits its configured layer once.
+
+    Attributes:
+        fired_at: ``time.monotonic()`` when the fault fired (``None``: not yet).
+        on_fire: Called with ``fired_at`` when the fault fires.
     """
 
     def __init__(self, fault: Fault | None, real: Any, rank: int) -> None:
@@ -79,6 +87,12 @@ class Injector:
         self.real = real
         self.layer = -1
         self.fired_at: float | None = None
+        self.on_fire: Callable[[float], None] | None = None
+
+    def fire(self) -> None:
+        self.fired_at = time.monotonic()
+        if self.on_fire is not None:
+            self.on_fire(self.fired_at)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: Any) -> torch.Tensor | None:
         fault = self.fault
@@ -86,7 +100,7 @@ class Injector:
             return self.real(q, k, v, *rest)
         if fault.phase == "backward":
             return _FailingGrad.apply(self.real(q, k, v, *rest), self)
-        self.fired_at = time.monotonic()
+        self.fire()
         if fault.kind == "raise":
             raise RuntimeError(f"injected forward failure on rank {fault.rank}")
         if fault.kind == "sleep":
@@ -151,3 +165,30 @@ def in_step(group: dist.ProcessGroup, token: int) -> bool:
     t = torch.tensor([token, -token], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.tolist() == [token, -token]
+
+
+def install_from_env(spec: str) -> None:
+    """Recipe workers: put the fault ``spec`` (JSON) into the kernel it names, counting kernel calls as layers.
+
+    ``spec``: ``{"backend", "stamp", "rank", "layer", "phase", "kind", "sleep_s"}``; ``layer`` is the
+    1-based kernel call on ``rank`` where the fault fires (backward faults wrap every call from
+    there on and fire in the first backward that reaches one); when it fires, ``time.monotonic()``
+    is written to the file ``stamp``. The rank is read at the first call (the launcher sets
+    ``RANK`` after the interpreter started).
+    """
+    config = json.loads(spec)
+    backend, stamp = config.pop("backend"), Path(config.pop("stamp"))
+    fault = Fault(**config)
+    real = kernels.KERNELS[backend].fn
+    calls = [0]
+    injector: list[Injector] = []
+
+    def fn(*args: Any) -> torch.Tensor | None:
+        if not injector:
+            injector.append(Injector(fault, real, int(os.environ.get("RANK", "-1"))))
+            injector[0].on_fire = lambda at: stamp.write_text(repr(at))
+        calls[0] += 1
+        injector[0].layer = min(calls[0], fault.layer)
+        return injector[0](*args)
+
+    kernels.KERNELS[backend] = replace(kernels.KERNELS[backend], fn=fn)
