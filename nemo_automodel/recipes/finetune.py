@@ -146,6 +146,7 @@ def train(config: FinetuneConfig, run_dir: Path, topology: Topology, device: tor
         pad_id=tokenizer.pad_id,
         grad_clip=config.optim.grad_clip,
         bf16=trainer.bf16,
+        on_nonfinite=trainer.on_nonfinite,
     )
     writer = MetricsWriter(run_dir, topology.is_main, start_step, trainer.max_steps, trainer.log_every)
     preemption = PreemptionFlag().install()
@@ -154,7 +155,7 @@ def train(config: FinetuneConfig, run_dir: Path, topology: Topology, device: tor
             rows = [dataset.row(schedule.row_index(step, m, topology.dp_rank)) for m in range(trainer.grad_accum)]
             lr = scheduler.get_last_lr()[0]
             began = time.perf_counter()
-            result = train_step(model, optimizer, scheduler, rows, setup, check_cp=step == start_step)
+            result = train_step(model, optimizer, scheduler, rows, setup, step + 1, check_cp=step == start_step)
             elapsed = time.perf_counter() - began
             writer.log(
                 StepMetrics(
@@ -167,6 +168,7 @@ def train(config: FinetuneConfig, run_dir: Path, topology: Topology, device: tor
                     step_time_s=elapsed,
                     kv_path=result.kv_path,
                     kv_tokens_received=result.kv_tokens_received if result.kv_path else None,
+                    skipped=result.skipped,
                 )
             )
             done = step + 1
