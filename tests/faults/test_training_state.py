@@ -20,7 +20,7 @@ import torch.distributed as dist
 from tests.faults import save_loop
 from tests.recipe_helpers import REPO, recipe_env, tiny_config, train_in_pool
 
-KILL_TRIALS = 12
+KILL_TRIALS = 10
 
 
 def _start_save_loop(root: Path, *args: str) -> subprocess.Popen[str]:
