@@ -64,7 +64,7 @@ class Outcome:
     fired_at: float | None
     raised_at: float | None
     kernel_calls: int
-    in_step: bool
+    in_step: bool | None  # None: not checked (a trial on a fresh group that the fault may break)
 
 
 def random_lengths(rng: random.Random, real: int) -> list[int]:
@@ -161,5 +161,5 @@ def _run_one(mesh: DeviceMesh, trial: Trial, check_in_step: bool) -> Outcome:
         except Exception as exc:  # the outcome under test
             raised_at, error_type, error = time.monotonic(), type(exc).__name__, str(exc)
         fired_at = injector.fired_at
-    synced = in_step(mesh.get_group(), trial.seed) if check_in_step else False
+    synced = in_step(mesh.get_group(), trial.seed) if check_in_step else None
     return Outcome(error_type, error, started_at, fired_at, raised_at, calls[0], synced)
