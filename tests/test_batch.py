@@ -1,4 +1,7 @@
-"""The batch builder: document-id sources, padding and sharding, the step context, and bad input."""
+"""The batch builder: document-id sources, padding and sharding, and the step context.
+
+Rejected batches and meshes are rows of docs/bad_inputs.md (tests/faults/test_bad_input_catalogue.py).
+"""
 
 from __future__ import annotations
 
@@ -88,49 +91,6 @@ def test_arguments_override_configured_knobs_in_the_snapshot():
         assert (st.attn_backend, st.kv_exchange) == ("dense", "allgather")
 
 
-def _with(batch, **changes):
-    out = dict(batch)
-    for k, v in changes.items():
-        if v is None:
-            out.pop(k, None)
-        else:
-            out[k] = v
-    return out
-
-
-_GOOD = _row([3, 5], 8)
-
-
-@pytest.mark.parametrize(
-    ("batch", "kwargs", "needle"),
-    [
-        (_with(_GOOD, input_ids=torch.ones(2, 8, dtype=torch.long)), {}, "local batch size 1"),
-        (_with(_GOOD, inputs_embeds=torch.ones(1, 8, 4)), {}, "exactly one of 'input_ids' or 'inputs_embeds'"),
-        (_with(_GOOD, input_ids=None), {}, "exactly one of 'input_ids' or 'inputs_embeds'"),
-        (_with(_GOOD, _packed_seq_ids=torch.tensor([[1, 1, 0, 2, 2, 2, 2, 2]])), {}, "padding must be a tail"),
-        (_with(_GOOD, _packed_seq_ids=torch.tensor([[1, 1, 2, 2, 1, 1, 3, 3]])), {}, "document id 1 reappears"),
-        (_with(_GOOD, _packed_seq_ids=torch.ones(1, 7, dtype=torch.long)), {}, "_packed_seq_ids: document ids must be"),
-        (_with(_GOOD, _packed_seq_ids=torch.ones(1, 8)), {}, "integer or bool"),
-        (_with(_GOOD, _packed_seq_ids=-torch.ones(1, 8, dtype=torch.long)), {}, "negative ids"),
-        (_with(_GOOD, labels=torch.ones(1, 9, dtype=torch.long)), {}, "labels: expected batch 1 and sequence length 8"),
-        (_with(_GOOD, position_ids=torch.ones(2, 1, 8, dtype=torch.long)), {}, "mRoPE [3, B, S]"),
-        (_GOOD, {"attn_backend": "ring"}, "Unknown attn_backend 'ring'"),
-        (_GOOD, {"kv_exchange": "ring"}, "Unknown kv_exchange 'ring'"),
-        (_GOOD, {"loss_mask": torch.ones(1, 5)}, "loss_mask: expected batch 1 and sequence length 8"),
-        (
-            _with(_GOOD, _packed_seq_ids=None, attention_mask=torch.ones(1, 1, 8, 8, dtype=torch.bool)),
-            {},
-            "not block-diagonal causal",
-        ),
-    ],
-)
-def test_bad_batches_raise_a_clear_error_and_leave_no_state(batch, kwargs, needle):
-    with pytest.raises(ValueError) as err:
-        make_cp_blockdiag_batch_and_ctx(None, None, batch, **kwargs)
-    assert needle in str(err.value)
-    assert current_blockdiag_cp_state() is None
-
-
 def _shard_rows(lengths, total):
     _, out, layout = make_cp_blockdiag_batch_and_ctx(cp_mesh(), None, _row(lengths, total))
     return out, layout
@@ -143,45 +103,3 @@ def test_rows_are_padded_and_sharded_contiguously_over_ranks(pools):
     assert merged["labels"][0].tolist() == list(range(9)) + [-100] * 3
     assert merged["_packed_seq_ids"][0].tolist() == [1] * 5 + [2] * 4 + [0] * 3
     assert [r[1].row_offset for r in results] == [0, 6]
-
-
-class _MismatchedMesh:
-    """A 1-D mesh of size 1 whose process group is the whole (2-rank) world."""
-
-    ndim = 1
-
-    def size(self):
-        return 1
-
-    def get_group(self):
-        import torch.distributed as dist
-
-        return dist.group.WORLD
-
-    def get_local_rank(self):
-        return 0
-
-
-def _mismatched_mesh_error():
-    try:
-        make_cp_blockdiag_batch_and_ctx(_MismatchedMesh(), None, _row([4], 4))
-    except RuntimeError as exc:
-        return str(exc)
-    return None
-
-
-def _two_d_mesh_error():
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "cp"))
-    try:
-        make_cp_blockdiag_batch_and_ctx(mesh, None, _row([4], 4))
-    except ValueError as exc:
-        return str(exc)
-    return None
-
-
-def test_cp_group_size_must_match_the_mesh(pools):
-    messages = pools.get(2).run_ok(_mismatched_mesh_error) + pools.get(2).run_ok(_two_d_mesh_error)
-    assert all("group has 2 ranks but the mesh has 1" in m for m in messages[:2])
-    assert all("1-D CP sub-mesh" in m for m in messages[2:])

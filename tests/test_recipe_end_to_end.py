@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -99,6 +100,35 @@ def test_signal_mid_run_checkpoints_exits_75_and_the_resume_matches(uninterrupte
     assert f"(step {marker['step']})" in resumed.stdout + resumed.stderr  # loaded the signal's checkpoint
     assert read_losses(tmp_path) == read_losses(uninterrupted[0])
     assert not (tmp_path / "preempted.json").exists()
+
+
+def test_sigkill_of_the_whole_job_mid_save_resumes_to_the_uninterrupted_losses(uninterrupted, tmp_path):
+    """Launcher and workers SIGKILLed while the step-8 checkpoint is being written; the rerun resumes bitwise."""
+    args = [sys.executable, str(REPO / "recipes" / "finetune.py"), *MAIN, f"trainer.max_steps={STEPS}"]
+    proc = subprocess.Popen(
+        [*args, f"hydra.run.dir={tmp_path}"],
+        cwd=REPO,
+        env=recipe_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # its own process group: the launcher and its workers die together
+    )
+    saving = tmp_path / "checkpoints" / ".tmp-step_00000008"
+    try:
+        deadline = time.monotonic() + 180
+        while not (saving.exists() and any(saving.glob("*.distcp"))):  # tensors being written
+            assert proc.poll() is None, "the run ended before its step-8 save"
+            assert time.monotonic() < deadline, "no step-8 save started"
+            time.sleep(0.002)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert saving.exists() and not (tmp_path / "checkpoints" / "step_00000008").exists(), "killed inside the save"
+    assert (tmp_path / "checkpoints" / "step_00000004" / "trainer_state.json").is_file()
+    resumed = run_recipe([*MAIN, f"trainer.max_steps={STEPS}", f"hydra.run.dir={tmp_path}"])
+    assert resumed.returncode == 0, _fail(resumed)
+    assert "(step 4)" in resumed.stdout + resumed.stderr, "resumed from the checkpoint before the killed save"
+    assert read_losses(tmp_path) == read_losses(uninterrupted[0])
 
 
 def test_multirun_sweep_runs_each_job_in_its_own_dir(tmp_path):

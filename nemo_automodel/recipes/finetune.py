@@ -38,6 +38,7 @@ from nemo_automodel.components.distributed.parallel import (
 from nemo_automodel.components.launcher.env import detect_launch
 from nemo_automodel.components.launcher.local import free_port, launch_local_workers
 from nemo_automodel.components.models.causal_lm import build_causal_lm
+from nemo_automodel.components.training.failure import propagate_failures
 from nemo_automodel.components.training.metrics import MetricsWriter, StepMetrics, configure_logging
 from nemo_automodel.components.training.optim import build_optimizer, build_scheduler
 from nemo_automodel.components.training.preemption import (
@@ -90,9 +91,10 @@ def worker_main(payload: dict[str, Any], run_dir: str) -> int:
     device = training_device(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     init_process_group(device, config.dist.pg_timeout_s)
     try:
-        shared = [run_dir]
-        dist.broadcast_object_list(shared, src=0)  # under torchrun every rank's Hydra made its own dir: use rank 0's
-        return train(config, Path(shared[0]), topology, device)
+        with propagate_failures(rank, world):  # a failure here is named on every rank, not just a broken collective
+            shared = [run_dir]
+            dist.broadcast_object_list(shared, src=0)  # under torchrun every rank's Hydra made its own dir: rank 0's
+            return train(config, Path(shared[0]), topology, device)
     finally:
         dist.destroy_process_group()
 
@@ -110,7 +112,7 @@ def train(config: FinetuneConfig, run_dir: Path, topology: Topology, device: tor
         layout=config.cp.layout,
         overlap=config.cp.overlap,
     )
-    meshes = build_meshes(topology, device)
+    meshes = build_meshes(topology, device, config.dist.pg_timeout_s)
     if topology.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(OmegaConf.create(to_plain_dict(config)), run_dir / "resolved_config.yaml")
@@ -144,6 +146,7 @@ def train(config: FinetuneConfig, run_dir: Path, topology: Topology, device: tor
         pad_id=tokenizer.pad_id,
         grad_clip=config.optim.grad_clip,
         bf16=trainer.bf16,
+        on_nonfinite=trainer.on_nonfinite,
     )
     writer = MetricsWriter(run_dir, topology.is_main, start_step, trainer.max_steps, trainer.log_every)
     preemption = PreemptionFlag().install()
@@ -152,7 +155,7 @@ def train(config: FinetuneConfig, run_dir: Path, topology: Topology, device: tor
             rows = [dataset.row(schedule.row_index(step, m, topology.dp_rank)) for m in range(trainer.grad_accum)]
             lr = scheduler.get_last_lr()[0]
             began = time.perf_counter()
-            result = train_step(model, optimizer, scheduler, rows, setup, check_cp=step == start_step)
+            result = train_step(model, optimizer, scheduler, rows, setup, step + 1, check_cp=step == start_step)
             elapsed = time.perf_counter() - began
             writer.log(
                 StepMetrics(
@@ -165,6 +168,7 @@ def train(config: FinetuneConfig, run_dir: Path, topology: Topology, device: tor
                     step_time_s=elapsed,
                     kv_path=result.kv_path,
                     kv_tokens_received=result.kv_tokens_received if result.kv_path else None,
+                    skipped=result.skipped,
                 )
             )
             done = step + 1

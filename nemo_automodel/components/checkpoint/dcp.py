@@ -7,10 +7,12 @@ Layout under ``<run_dir>/checkpoints``::
         trainer_state.json    step, rows consumed, scheduler, topology
         rng_rank<r>.pt        python/numpy/torch RNG of rank r
     .tmp-step_00000200/       a save in progress (ignored, removed by the next save)
+    .tmp-deleting-step_.../   an old checkpoint being deleted (ignored, removed by the next save)
 
 A save writes everything into the temp dir, waits for every rank, and rank 0
-renames it to ``step_<N>``; only then are checkpoints beyond ``keep`` deleted.
-A crash mid-save therefore leaves the previous checkpoints untouched, and the
+renames it to ``step_<N>``; only then are checkpoints beyond ``keep`` deleted,
+each renamed aside before its files go. A crash mid-save therefore leaves the
+previous checkpoints untouched, every ``step_*`` directory is complete, and the
 latest complete checkpoint is simply the highest ``step_*`` directory.
 """
 
@@ -95,12 +97,27 @@ def save_checkpoint(
     dist.barrier()  # every rank's files are in tmp
     if rank == 0:
         if final.exists():  # the same step saved again (e.g. preempted right after a periodic save)
-            shutil.rmtree(final)
+            _remove(final)
         os.replace(tmp, final)
         _fsync_dir(root)
         _prune(root, keep)
     dist.barrier()
     return final
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint directory; a crash midway never leaves it half deleted under a ``step_*`` name.
+
+    ``rmtree`` removes files one by one, so a process killed during it would leave
+    a ``step_*`` directory that still has its trainer state but lacks tensors: it
+    would look complete. Renaming it to a temp name first (atomic) makes it stop
+    being a checkpoint before anything is deleted; the next save removes leftovers.
+    """
+    doomed = path.with_name(f"{_TMP_PREFIX}deleting-{path.name}")
+    if doomed.exists():
+        shutil.rmtree(doomed)
+    os.replace(path, doomed)
+    shutil.rmtree(doomed)
 
 
 def _prune(root: Path, keep: int) -> None:
@@ -109,7 +126,7 @@ def _prune(root: Path, keep: int) -> None:
         key=lambda p: int(p.name[len(_PREFIX) :]),
     )
     for old in done[:-keep]:
-        shutil.rmtree(old)
+        _remove(old)
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> TrainerState:

@@ -30,6 +30,8 @@ ATTENTION_ROUTES = ("hf_interface", "patch_sdpa", "eager")
 DATA_SOURCES = ("synthetic", "jsonl")
 LONG_DOCUMENT_MODES = ("split", "truncate")
 RESUME_MODES = ("auto", "never")
+# What a step with NaN/Inf in attention inputs, loss or gradient norm does (every rank agrees).
+NONFINITE_POLICIES = ("stop", "skip")
 
 
 def _require_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -174,6 +176,9 @@ class TrainerConfig:
         keep_checkpoints: Complete checkpoints to keep (older ones are deleted after a new one lands).
         resume: ``auto`` continues from the latest complete checkpoint in the run dir; ``never`` starts fresh.
         export_hf: Export a HF ``save_pretrained`` (safetensors) directory at the end.
+        on_nonfinite: A step with NaN/Inf in CP attention inputs, the loss or the gradient norm on any
+            rank: ``stop`` raises on every rank naming the step, the ranks and what was non-finite;
+            ``skip`` logs the same, zeroes the gradients and skips the optimizer step (the LR schedule advances).
     """
 
     max_steps: int = 200
@@ -186,6 +191,7 @@ class TrainerConfig:
     keep_checkpoints: int = 2
     resume: str = "auto"
     export_hf: bool = True
+    on_nonfinite: str = "stop"
 
     def __post_init__(self) -> None:
         _require_positive("trainer.max_steps", self.max_steps)
@@ -194,6 +200,7 @@ class TrainerConfig:
         _require_positive("trainer.ckpt_every", self.ckpt_every, allow_zero=True)
         _require_positive("trainer.keep_checkpoints", self.keep_checkpoints)
         _require_choice("trainer.resume", self.resume, RESUME_MODES)
+        _require_choice("trainer.on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
 
 
 @dataclass

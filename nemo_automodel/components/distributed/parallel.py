@@ -98,10 +98,19 @@ class Meshes:
     dp_cp: DeviceMesh
 
 
-def build_meshes(topology: Topology, device: torch.device) -> Meshes:
-    """The 2-D ``("dp", "cp")`` mesh's CP dimension and its flattened ``dp x cp`` dimension."""
+def build_meshes(topology: Topology, device: torch.device, pg_timeout_s: float) -> Meshes:
+    """The 2-D ``("dp", "cp")`` mesh's CP dimension and its flattened ``dp x cp`` dimension.
+
+    Every group of the mesh gets the ``pg_timeout_s`` timeout: ``init_device_mesh``
+    creates the groups of dimensions smaller than the world with torch's default
+    (30 min for gloo, 10 min for NCCL), not the default group's timeout, so with
+    ``dp > 1`` a stuck CP peer would otherwise hang its group for that long.
+    """
     mesh = init_device_mesh(device.type, (topology.dp, topology.cp), mesh_dim_names=("dp", "cp"))
-    return Meshes(cp=mesh["cp"], dp_cp=mesh["dp", "cp"]._flatten("dp_cp"))
+    meshes = Meshes(cp=mesh["cp"], dp_cp=mesh["dp", "cp"]._flatten("dp_cp"))
+    for group in {mesh["dp"].get_group(), meshes.cp.get_group(), meshes.dp_cp.get_group()}:
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=pg_timeout_s), group)
+    return meshes
 
 
 def shard_model(model: torch.nn.Module, flat: DeviceMesh) -> FSDPModule:

@@ -30,6 +30,7 @@ class StepMetrics:
     step_time_s: float
     kv_path: str | None
     kv_tokens_received: int | None
+    skipped: bool = False
 
 
 class TqdmLoggingHandler(logging.Handler):
@@ -79,9 +80,10 @@ class MetricsWriter:
 
 def _format(m: StepMetrics) -> str:
     kv = f" | kv {m.kv_path} recv {m.kv_tokens_received} tok" if m.kv_path is not None else ""
+    skipped = " | SKIPPED (non-finite)" if m.skipped else ""
     return (
         f"step {m.step} | loss {m.loss:.4f} | lr {m.lr:.2e} | grad_norm {m.grad_norm:.3f} "
-        f"| {m.tokens_per_s:,.0f} tok/s{kv}"
+        f"| {m.tokens_per_s:,.0f} tok/s{kv}{skipped}"
     )
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,11 +18,15 @@ from nemo_automodel.components.distributed.blockdiag_cp import (
     cp_attn_fire_count,
     exchange_stats,
     make_cp_blockdiag_batch_and_ctx,
+    nonfinite_attention_inputs,
     reset_cp_attn_fire_count,
 )
+from nemo_automodel.components.distributed.blockdiag_cp.state import StepState
 from nemo_automodel.components.distributed.parallel import Meshes
 from nemo_automodel.components.models.cp_attention import attention_scope
 from nemo_automodel.components.training.loss import global_label_count, token_ce_sum
+
+logger = logging.getLogger("nemo_automodel.finetune")
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,7 @@ class StepSetup:
         pad_id: Fill for CP padding of ``input_ids``.
         grad_clip: Max global grad norm (``0``: no clipping; the norm is still reported).
         bf16: bf16 autocast (applied on CUDA only).
+        on_nonfinite: ``stop`` or ``skip`` a step with NaN/Inf (``trainer.on_nonfinite``).
     """
 
     meshes: Meshes
@@ -44,6 +51,7 @@ class StepSetup:
     pad_id: int
     grad_clip: float
     bf16: bool
+    on_nonfinite: str = "stop"
 
     @property
     def reduce_group(self) -> dist.ProcessGroup:
@@ -60,6 +68,7 @@ class StepResult:
         tokens: Non-padding tokens of the global batch.
         kv_path: K/V exchange of the step's last CP attention call (``None`` at ``cp = 1``).
         kv_tokens_received: K/V tokens that call received, summed over all ranks.
+        skipped: The step saw NaN/Inf (``trainer.on_nonfinite=skip``): no optimizer update.
     """
 
     loss: float
@@ -67,6 +76,11 @@ class StepResult:
     tokens: int
     kv_path: str | None
     kv_tokens_received: int
+    skipped: bool = False
+
+
+class NonFiniteStepError(RuntimeError):
+    """A step saw NaN/Inf and ``trainer.on_nonfinite=stop``; raised on every rank."""
 
 
 def _shard(setup: StepSetup, row: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -109,12 +123,43 @@ def _grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     return float(norm)
 
 
+def _nonfinite_report(
+    step: int, flags: list[list[float]], grad_norm: float, own_attention: list[str], rank: int
+) -> str | None:
+    """What was non-finite in ``step`` on which rank (``None``: everything finite).
+
+    Args:
+        step: The 1-based step (as in ``metrics.jsonl``).
+        flags: Per rank of the ``dp x cp`` group, ``[attention inputs non-finite, loss non-finite]``.
+        grad_norm: The global gradient norm.
+        own_attention: This rank's ``nonfinite_attention_inputs`` lines (other ranks log their own).
+        rank: This rank in the ``dp x cp`` group.
+    """
+    attention = [r for r, (bad, _) in enumerate(flags) if bad]
+    loss = [r for r, (_, bad) in enumerate(flags) if bad]
+    parts = []
+    if attention:
+        details = f" (rank {rank}: {'; '.join(own_attention)})" if own_attention else ""
+        parts.append(f"CP attention inputs on rank(s) {attention}{details}")
+    if loss:
+        parts.append(f"loss on rank(s) {loss}")
+    if not math.isfinite(grad_norm):
+        parts.append(f"gradient norm {grad_norm}")
+    return f"non-finite values in step {step}: {'; '.join(parts)}" if parts else None
+
+
+def _attention_lines(states: list[StepState]) -> list[str]:
+    """This rank's non-finite CP attention calls per micro-batch (one host sync per micro-batch, after backward)."""
+    return [f"micro-batch {i}: {line}" for i, st in enumerate(states) for line in nonfinite_attention_inputs(st)]
+
+
 def train_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     rows: list[dict[str, torch.Tensor]],
     setup: StepSetup,
+    step: int,
     check_cp: bool = False,
 ) -> StepResult:
     """Forward/backward every row (one micro-batch each), then clip and step.
@@ -122,10 +167,17 @@ def train_step(
     Each micro-batch loss is its CE sum divided by the label-token count of the
     whole step on all ``dp x cp`` ranks; FSDP2 SUM-reduces gradients on the last
     micro-batch, so the update equals the ``cp = 1`` update on the same rows.
+    Before the update every rank learns, in the same all-reduce as the step's
+    totals, whether any rank saw NaN/Inf in its CP attention inputs or its loss;
+    with the global gradient norm that decides ``setup.on_nonfinite``.
 
     Args:
         rows: This dp rank's packed rows, each ``{input_ids, labels, position_ids, _packed_seq_ids}`` ``[1, S]``.
+        step: The 1-based step, for messages.
         check_cp: Verify after the first forward that attention went through CP (first step of a run).
+
+    Raises:
+        NonFiniteStepError: on every rank, with ``on_nonfinite=stop`` and NaN/Inf anywhere.
     """
     if check_cp:
         reset_cp_attn_fire_count()
@@ -134,30 +186,46 @@ def train_step(
     total_labels = global_label_count([local["labels"] for _, local in shards], setup.reduce_group).clamp(min=1)
     ce_sum = torch.zeros((), dtype=torch.float64, device=setup.device)
     tokens = torch.zeros((), dtype=torch.int64, device=setup.device)
+    states: list[StepState] = []
     for i, (train_ctx, local) in enumerate(shards):
         if isinstance(model, FSDPModule):
             model.set_requires_gradient_sync(i == len(shards) - 1)  # reduce once, after the last micro-batch
-        with train_ctx(), attention_scope(setup.attention):
+        with train_ctx() as state, attention_scope(setup.attention):
             with _autocast(setup):
                 logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
             if check_cp and i == 0:
                 _check_cp_reached_attention(setup)
             micro_ce = token_ce_sum(logits, local["labels"])
             (micro_ce / total_labels).backward()  # keep the CP context open: recompute reads it
+        states.append(state)
         ce_sum += micro_ce.detach().double()
         tokens += (~local["padding_mask"]).sum()
     grad_norm = _grad_norm(model, setup.grad_clip)
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
     stats = exchange_stats() if setup.meshes.cp.size() > 1 else None
     kv_received = float(stats["kv_tokens_received"]) if stats else 0.0
-    totals = torch.stack([ce_sum, tokens.double(), torch.tensor(kv_received, dtype=torch.float64, device=setup.device)])
-    dist.all_reduce(totals, group=setup.reduce_group)
+    own_attention = _attention_lines(states)
+    group = setup.reduce_group
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    flags = torch.zeros(world, 2, dtype=torch.float64, device=setup.device)
+    flags[rank, 0] = float(bool(own_attention))
+    flags[rank, 1] = (~ce_sum.isfinite()).double()
+    kv = torch.tensor([kv_received], dtype=torch.float64, device=setup.device)
+    totals = torch.cat([ce_sum[None], tokens.double()[None], kv, flags.flatten()])
+    dist.all_reduce(totals, group=group)  # one tiny all-reduce: step totals and every rank's non-finite flags
+    report = _nonfinite_report(step, totals[3:].view(world, 2).tolist(), grad_norm, own_attention, rank)
+    if report is not None and setup.on_nonfinite == "stop":
+        raise NonFiniteStepError(f"{report}; trainer.on_nonfinite=stop (set trainer.on_nonfinite=skip to skip it)")
+    if report is not None:
+        logger.warning("%s; trainer.on_nonfinite=skip: gradients zeroed, optimizer step skipped", report)
+    else:
+        optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
     return StepResult(
         loss=float(totals[0] / total_labels),
         grad_norm=grad_norm,
         tokens=int(totals[1]),
         kv_path=stats["path"] if stats else None,
         kv_tokens_received=int(totals[2]),
+        skipped=report is not None,
     )

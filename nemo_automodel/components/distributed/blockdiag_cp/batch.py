@@ -96,8 +96,8 @@ def _document_ids(batch: dict[str, Any], batch_size: int, seq_len: int, device: 
     seq_ids = batch.get("_packed_seq_ids")
     mask = batch.get("attention_mask")
     if seq_ids is not None:
-        field, ids = "_packed_seq_ids", seq_ids
-    elif mask is not None and mask.dim() == 4:
+        field, ids = "_packed_seq_ids", _require_tensor("_packed_seq_ids", seq_ids)
+    elif mask is not None and _require_tensor("attention_mask", mask).dim() == 4:
         if tuple(mask.shape) != (batch_size, 1, seq_len, seq_len):
             raise ValueError(
                 f"attention_mask: 4-D mask must be [B, 1, S, S] = [{batch_size}, 1, {seq_len}, "
@@ -117,14 +117,19 @@ def _document_ids(batch: dict[str, Any], batch_size: int, seq_len: int, device: 
     return ids.to(device=device, dtype=torch.long)
 
 
+def _require_tensor(field: str, value: Any) -> torch.Tensor:
+    """``value`` when it is a tensor, else a ``ValueError`` naming ``field``."""
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{field}: expected a tensor, got {type(value).__name__}")
+    return value
+
+
 def _seq_dim(field: str, tensor: torch.Tensor) -> int:
     return 2 if field == "position_ids" and tensor.dim() == 3 else 1
 
 
 def _check_seq_field(field: str, tensor: Any, batch_size: int, seq_len: int) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise ValueError(f"{field}: expected a tensor, got {type(tensor).__name__}")
-    dim = _seq_dim(field, tensor)
+    dim = _seq_dim(field, _require_tensor(field, tensor))
     if field == "position_ids" and tensor.dim() == 3 and tensor.shape[0] != 3:
         raise ValueError(f"position_ids: a 3-D tensor must be mRoPE [3, B, S], got {tuple(tensor.shape)}")
     if tensor.dim() <= dim or tensor.shape[dim] != seq_len or tensor.shape[dim - 1] != batch_size:
@@ -227,7 +232,7 @@ def make_cp_blockdiag_batch_and_ctx(
     if ("input_ids" in batch) == ("inputs_embeds" in batch):
         raise ValueError("batch: pass exactly one of 'input_ids' or 'inputs_embeds'")
     primary_field = "input_ids" if "input_ids" in batch else "inputs_embeds"
-    primary = batch[primary_field]
+    primary = _require_tensor(primary_field, batch[primary_field])
     if primary.dim() < 2:
         raise ValueError(f"{primary_field}: expected [B, S, ...], got shape {tuple(primary.shape)}")
     batch_size, seq_len, device = primary.shape[0], primary.shape[1], primary.device
@@ -238,7 +243,9 @@ def make_cp_blockdiag_batch_and_ctx(
         )
 
     doc_ids = _document_ids(batch, batch_size, seq_len, device)
-    runs = doc_runs_from_ids(doc_ids, "_packed_seq_ids" if "_packed_seq_ids" in batch else "document ids")
+    # errors name the field the ids came from (without one, the row itself: one document)
+    source = next((f for f in ("_packed_seq_ids", "attention_mask") if batch.get(f) is not None), primary_field)
+    runs = doc_runs_from_ids(doc_ids, source)
     fields = {k: v for k, v in batch.items() if k in SEQ_FIELDS and v is not None}
     fields["padding_mask"] = doc_ids.eq(0)
     if loss_mask is not None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -120,8 +121,38 @@ def _lengths_from_jsonl(path: str, tokenizer: str | None) -> list[int]:
         from transformers import AutoTokenizer
 
         encode = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True).encode
+    lengths = []
     with open(path, encoding="utf-8") as f:
-        return [len(encode(json.loads(line)["text"])) + 1 for line in f if line.strip()]
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                lengths.append(len(encode(_text_of(line, path, n))) + 1)
+    return lengths
+
+
+def _text_of(line: str, path: str, n: int) -> str:
+    """The ``text`` field of JSONL line ``n``; a ``ValueError`` naming the file and line otherwise."""
+    try:
+        text = json.loads(line).get("text")
+    except (json.JSONDecodeError, AttributeError):
+        text = None
+    if not isinstance(text, str):
+        raise ValueError(f"--data {path}: line {n} is not a JSON object with a string 'text' field")
+    return text
+
+
+def _positive_int(text: str) -> int:
+    """``argparse`` type: an integer >= 1."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
+def _doc_lengths(text: str) -> list[int]:
+    """``argparse`` type: comma-separated positive document lengths."""
+    parts = [x for x in text.split(",") if x.strip()]
+    if not parts or not all(x.strip().isdigit() and int(x) > 0 for x in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated positive integers (document lengths)")
+    return [int(x) for x in parts]
 
 
 def _byte_tokens(text: str) -> bytes:
@@ -152,28 +183,32 @@ def _average(tables: list[list[PlanRow]]) -> list[PlanRow]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cp", type=int, required=True, help="CP size")
-    parser.add_argument("--seq-len", type=int, required=True, help="packed row length")
+    parser.add_argument("--cp", type=_positive_int, required=True, help="CP size")
+    parser.add_argument("--seq-len", type=_positive_int, required=True, help="packed row length")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--doc-lens", help="comma-separated document lengths of one packed row")
+    source.add_argument("--doc-lens", type=_doc_lengths, help="comma-separated document lengths of one packed row")
     source.add_argument("--data", help="JSONL file with a 'text' field per line")
     parser.add_argument("--tokenizer", help="local Hugging Face tokenizer dir (default: bytes)")
-    parser.add_argument("--rows", type=int, default=8, help="packed rows to evaluate from --data")
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--rows", type=_positive_int, default=8, help="packed rows to evaluate from --data")
+    parser.add_argument("--heads", type=_positive_int, default=32)
+    parser.add_argument("--kv-heads", type=_positive_int, default=8)
+    parser.add_argument("--head-dim", type=_positive_int, default=128)
     parser.add_argument("--dtype", default="bf16", choices=sorted(_DTYPE_BYTES))
     parser.add_argument("--device", default="cuda", choices=sorted(cost.MACHINES))
     args = parser.parse_args(argv)
     shape = cost.Shape(args.heads, args.kv_heads, args.head_dim, _DTYPE_BYTES[args.dtype])
     machine = cost.MACHINES[args.device]
     if args.doc_lens:
-        lengths = [int(x) for x in args.doc_lens.split(",") if x.strip()]
-        if sum(lengths) > args.seq_len:
-            parser.error(f"--doc-lens add up to {sum(lengths)} tokens, more than --seq-len {args.seq_len}")
-        packed = [lengths]
+        if sum(args.doc_lens) > args.seq_len:
+            parser.error(f"--doc-lens add up to {sum(args.doc_lens)} tokens, more than --seq-len {args.seq_len}")
+        packed = [args.doc_lens]
     else:
-        packed = _pack(_lengths_from_jsonl(args.data, args.tokenizer), args.seq_len)[: args.rows]
+        if not os.path.isfile(args.data):
+            parser.error(f"--data {args.data}: no such file")
+        try:
+            packed = _pack(_lengths_from_jsonl(args.data, args.tokenizer), args.seq_len)[: args.rows]
+        except ValueError as exc:
+            parser.error(str(exc))
     tables = [plan_rows(doc_runs_from_lengths(row, args.seq_len), args.cp, shape, machine) for row in packed]
     print(
         f"cp={args.cp} seq_len={args.seq_len} rows={len(tables)} docs/row={statistics.fmean(map(len, packed)):.1f} "

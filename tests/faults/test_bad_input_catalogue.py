@@ -1,0 +1,336 @@
+"""Every row of ``docs/bad_inputs.md`` is a case here, and every case is a row: the table cannot drift.
+
+Each row names an ``id``, the rejected input, the error type and an excerpt of its
+message. :data:`TRIGGERS` maps each id to a function that feeds exactly that input;
+the test reads the table, runs the trigger (in this process, or on every rank of a
+2-rank pool when it needs a process group) and checks the type and the message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
+
+from nemo_automodel.components.config.checks import check_paths
+from nemo_automodel.components.config.schema import ModelConfig, register_schema, to_finetune_config
+from nemo_automodel.components.datasets.jsonl import jsonl_documents
+from nemo_automodel.components.datasets.packing import pack_documents
+from nemo_automodel.components.distributed.blockdiag_cp import (
+    attach_cp1_packed_varlen_hooks,
+    configure_cp_varlen,
+    cp_blockdiag_sdpa,
+    make_cp_blockdiag_batch_and_ctx,
+    plan,
+    reset_cp_attn_fire_count,
+)
+from nemo_automodel.components.distributed.blockdiag_cp.layout import doc_runs_from_lengths, make_shard_plan
+from nemo_automodel.components.distributed.parallel import resolve_topology
+from nemo_automodel.components.launcher.env import first_slurm_host
+from nemo_automodel.components.models.causal_lm import build_causal_lm
+from nemo_automodel.components.training.step import _check_cp_reached_attention
+from tests.cases import cp_mesh
+from tests.recipe_helpers import REPO
+from tests.reference import doc_ids_from_lengths
+
+CATALOGUE = REPO / "docs" / "bad_inputs.md"
+ROW = re.compile(r"^\| `(?P<id>[a-z0-9-]+)` \| (?P<input>.+?) \| `(?P<error>\w+)` \| `(?P<message>[^`]+)` \|$")
+
+
+# ----------------------------------------------------------------------------- core: batch builder
+
+
+def _row(total: int = 8, **fields: Any) -> dict[str, Any]:
+    """A valid packed row of two documents, with ``fields`` replaced (``None`` removes one)."""
+    row = {"input_ids": torch.ones(1, total, dtype=torch.long), "_packed_seq_ids": doc_ids_from_lengths([3, 5], total)}
+    row.update(fields)
+    return {k: v for k, v in row.items() if v is not None}
+
+
+def _build(batch: dict[str, Any], **kwargs: Any) -> Any:
+    return make_cp_blockdiag_batch_and_ctx(None, None, batch, **kwargs)
+
+
+def _ids(*values: int) -> torch.Tensor:
+    return torch.tensor([values])
+
+
+BATCH: dict[str, Callable[[], Any]] = {
+    "batch-both-inputs": lambda: _build(_row(inputs_embeds=torch.ones(1, 8, 4))),
+    "batch-no-inputs": lambda: _build(_row(input_ids=None)),
+    "batch-inputs-not-tensor": lambda: _build(_row(input_ids=[[1, 2, 3]])),
+    "batch-inputs-rank": lambda: _build(_row(input_ids=torch.ones(8, dtype=torch.long))),
+    "batch-size": lambda: _build(_row(input_ids=torch.ones(2, 8, dtype=torch.long))),
+    "batch-empty-row": lambda: _build(_row(0, _packed_seq_ids=None)),
+    "ids-not-tensor": lambda: _build(_row(_packed_seq_ids=[[1, 1, 2, 2, 2, 2, 2, 2]])),
+    "ids-shape": lambda: _build(_row(_packed_seq_ids=torch.ones(1, 7, dtype=torch.long))),
+    "ids-float": lambda: _build(_row(_packed_seq_ids=torch.ones(1, 8))),
+    "ids-negative": lambda: _build(_row(_packed_seq_ids=-torch.ones(1, 8, dtype=torch.long))),
+    "ids-padding-not-tail": lambda: _build(_row(_packed_seq_ids=_ids(1, 1, 0, 2, 2, 2, 2, 2))),
+    "ids-reappear": lambda: _build(_row(_packed_seq_ids=_ids(1, 1, 2, 2, 1, 1, 3, 3))),
+    "mask-not-tensor": lambda: _build(_row(_packed_seq_ids=None, attention_mask=[[1] * 8])),
+    "mask-4d-shape": lambda: _build(_row(_packed_seq_ids=None, attention_mask=torch.ones(1, 1, 8, 7))),
+    "mask-4d-not-block-causal": lambda: _build(
+        _row(_packed_seq_ids=None, attention_mask=torch.ones(1, 1, 8, 8, dtype=torch.bool))
+    ),
+    "mask-2d-shape": lambda: _build(_row(_packed_seq_ids=None, attention_mask=torch.ones(1, 9))),
+    "mask-2d-padding-not-tail": lambda: _build(_row(_packed_seq_ids=None, attention_mask=_ids(0, 1, 1, 1, 1, 1, 1, 1))),
+    "field-not-tensor": lambda: _build(_row(labels=[0] * 8)),
+    "field-shape": lambda: _build(_row(labels=torch.ones(1, 9, dtype=torch.long))),
+    "field-mrope-shape": lambda: _build(_row(position_ids=torch.ones(2, 1, 8, dtype=torch.long))),
+    "loss-mask-shape": lambda: _build(_row(), loss_mask=torch.ones(1, 5)),
+    "knob-attn-backend": lambda: _build(_row(), attn_backend="ring"),
+    "knob-kv-exchange": lambda: _build(_row(), kv_exchange="ring"),
+    "knob-layout": lambda: _build(_row(), layout="spiral"),
+    "knob-configure": lambda: configure_cp_varlen(kv_exchange="ring"),
+}
+
+
+# ----------------------------------------------------------------------------- core: q/k/v in a step
+
+
+def _attend(q_shape: tuple, k_shape: tuple, v_shape: tuple | None = None, gqa: bool = True, **cast: Any) -> Any:
+    """``cp_blockdiag_sdpa`` inside a cp=1 step over an 8-token row (local length 8)."""
+    q, k = torch.zeros(q_shape), torch.zeros(k_shape)
+    v = torch.zeros(v_shape or k_shape)
+    q, k, v = (t.to(**cast.get(n, {})) for n, t in (("q", q), ("k", k), ("v", v)))
+    ctx, _, _ = _build(_row())
+    with ctx():
+        return cp_blockdiag_sdpa(q, k, v, enable_gqa=gqa)
+
+
+QKV: dict[str, Callable[[], Any]] = {
+    "qkv-rank": lambda: _attend((4, 8, 8), (1, 2, 8, 8)),
+    "qkv-dtype": lambda: _attend((1, 4, 8, 8), (1, 2, 8, 8), k={"dtype": torch.float64}, v={"dtype": torch.float64}),
+    "qkv-device": lambda: _attend((1, 4, 8, 8), (1, 2, 8, 8), k={"device": "meta"}),
+    "qkv-head-dim": lambda: _attend((1, 4, 8, 8), (1, 2, 8, 4)),
+    "qkv-batch": lambda: _attend((2, 4, 8, 8), (2, 2, 8, 8)),
+    "qkv-kv-heads": lambda: _attend((1, 4, 8, 8), (1, 2, 8, 8), (1, 1, 8, 8)),
+    "qkv-heads-multiple": lambda: _attend((1, 3, 8, 8), (1, 2, 8, 8)),
+    "qkv-gqa": lambda: _attend((1, 4, 8, 8), (1, 2, 8, 8), gqa=False),
+    "qkv-length": lambda: _attend((1, 4, 6, 8), (1, 2, 6, 8)),
+}
+
+
+# ----------------------------------------------------------------------------- core: groups, ranks, planner, cp=1
+
+
+class _MismatchedMesh:
+    """A 1-D mesh of size 1 whose process group is the whole 2-rank world."""
+
+    ndim = 1
+
+    def size(self) -> int:
+        return 1
+
+    def get_group(self) -> dist.ProcessGroup:
+        return dist.group.WORLD
+
+    def get_local_rank(self) -> int:
+        return 0
+
+
+def _two_d_mesh() -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return make_cp_blockdiag_batch_and_ctx(init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "cp")), None, _row())
+
+
+def _disagreeing_rank() -> Any:
+    """Rank 1 asks for another exchange; the first CP call of the step must stop every rank."""
+    exchange = "a2a" if dist.get_rank() == 1 else "halo"
+    ctx, _, shard = make_cp_blockdiag_batch_and_ctx(cp_mesh(), None, _row(16), kv_exchange=exchange)
+    q = torch.zeros(1, 2, shard.local_len, 4)
+    with ctx():
+        return cp_blockdiag_sdpa(q, q, q)
+
+
+def _planner(*argv: str) -> None:
+    """The planner's command line; its usage error becomes ``SystemExit(<stderr>)``."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            plan.main(list(argv))
+    except SystemExit as exc:
+        raise SystemExit(err.getvalue()) from exc
+
+
+def _planner_data(text: str) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "data.jsonl"
+        path.write_text(text)
+        _planner("--cp", "2", "--seq-len", "64", "--data", str(path))
+
+
+CORE: dict[str, Callable[[], Any]] = {
+    "mesh-not-1d": _two_d_mesh,
+    "mesh-group-size": lambda: make_cp_blockdiag_batch_and_ctx(_MismatchedMesh(), None, _row()),
+    "ranks-disagree": _disagreeing_rank,
+    "cp1-no-attention-modules": lambda: attach_cp1_packed_varlen_hooks(torch.nn.Linear(2, 2)),
+    "plan-cp": lambda: _planner("--cp", "0", "--seq-len", "64", "--doc-lens", "8"),
+    "plan-seq-len": lambda: _planner("--cp", "2", "--seq-len", "x", "--doc-lens", "8"),
+    "plan-doc-lens": lambda: _planner("--cp", "2", "--seq-len", "64", "--doc-lens", "8,0"),
+    "plan-doc-lens-too-long": lambda: _planner("--cp", "2", "--seq-len", "64", "--doc-lens", "60,8"),
+    "plan-data-missing": lambda: _planner("--cp", "2", "--seq-len", "64", "--data", "/nonexistent/data.jsonl"),
+    "plan-data-line": lambda: _planner_data('{"text": "abc"}\n[1, 2]\n'),
+    "plan-lib-lengths": lambda: doc_runs_from_lengths([3, 0]),
+    "plan-lib-total": lambda: doc_runs_from_lengths([5], 3),
+    "plan-lib-multiple": lambda: make_shard_plan(doc_runs_from_lengths([5]), 2),
+    "plan-lib-layout": lambda: make_shard_plan(doc_runs_from_lengths([6]), 2, "spiral"),
+}
+IN_POOL = {"mesh-not-1d", "mesh-group-size", "ranks-disagree"}
+
+
+# ----------------------------------------------------------------------------- recipe
+
+
+def _compose(*overrides: str) -> Any:
+    register_schema()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose(config_name="finetune", overrides=list(overrides))
+
+
+def _config(*overrides: str) -> Any:
+    return to_finetune_config(_compose(*overrides))
+
+
+def _values(*overrides: str) -> Callable[[], Any]:
+    return lambda: _config(*overrides)
+
+
+def _jsonl(text: str) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "data.jsonl"
+        path.write_text(text)
+        jsonl_documents(path)
+
+
+def _small_vocabulary_model() -> None:
+    """A local HF model with 100 embedding rows, loaded for the 256-token byte tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny = LlamaConfig(
+            vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+        )
+        LlamaForCausalLM(tiny).save_pretrained(tmp)
+        build_causal_lm(ModelConfig(pretrained_path=tmp), 256, seed=0, activation_checkpointing=False)
+
+
+def _attention_never_reached() -> None:
+    reset_cp_attn_fire_count()
+    setup = SimpleNamespace(meshes=SimpleNamespace(cp=SimpleNamespace(size=lambda: 2)), attention="patch_sdpa")
+    _check_cp_reached_attention(setup)
+
+
+POSITIVE_FIELDS = (
+    "model.hidden_size",
+    "model.num_layers",
+    "model.num_heads",
+    "model.num_kv_heads",
+    "model.intermediate_size",
+    "data.num_documents",
+    "optim.lr",
+    "optim.decay_steps",
+    "trainer.max_steps",
+    "trainer.grad_accum",
+    "trainer.log_every",
+    "trainer.keep_checkpoints",
+    "dist.dp_size",
+    "dist.pg_timeout_s",
+    "dist.shutdown_timeout_s",
+)
+NON_NEGATIVE_FIELDS = ("optim.warmup_steps", "optim.grad_clip", "trainer.ckpt_every")
+
+RECIPE: dict[str, Callable[[], Any]] = {
+    "config-unknown-key": lambda: _compose("trainer.max_stepz=3"),
+    "config-wrong-type": lambda: _compose("trainer.max_steps=many"),
+    "config-payload-unknown-key": lambda: to_finetune_config({"data": {"seq_length": 128}}),
+    "config-cp-kv-exchange": _values("+cp=blockdiag", "cp.kv_exchange=ring"),
+    "config-cp-attn-backend": _values("+cp=blockdiag", "cp.attn_backend=cudnn"),
+    "config-cp-layout": _values("+cp=blockdiag", "cp.layout=spiral"),
+    "config-cp-size": _values("+cp=blockdiag", "cp.size=0"),
+    "config-seq-len-cp": _values("+cp=blockdiag", "data.seq_len=3"),
+    "config-seq-len-min": _values("data.seq_len=1"),
+    "config-seq-len-positions": _values("data.seq_len=8192"),
+    "config-eager-with-cp": _values("+cp=blockdiag", "model.attention=eager"),
+    "config-attention-route": _values("model.attention=flex"),
+    "config-data-source": _values("data.source=csv"),
+    "config-packing": _values("data.packing_algorithm=best_fit"),
+    "config-long-documents": _values("data.long_documents=drop"),
+    "config-heads-multiple": _values("model.num_heads=6"),
+    "config-hidden-divisible": _values("model.hidden_size=250"),
+    "config-doc-len-range": _values("data.min_doc_len=10", "data.max_doc_len=5"),
+    "config-betas": _values("optim.betas=[0.9]"),
+    "config-min-lr-ratio": _values("optim.min_lr_ratio=2"),
+    "config-resume": _values("trainer.resume=sometimes"),
+    "config-on-nonfinite": _values("trainer.on_nonfinite=ignore"),
+    **{f"config-positive-{f.replace('.', '-').replace('_', '-')}": _values(f"{f}=0") for f in POSITIVE_FIELDS},
+    **{f"config-non-negative-{f.replace('.', '-').replace('_', '-')}": _values(f"{f}=-1") for f in NON_NEGATIVE_FIELDS},
+    "path-jsonl-required": lambda: check_paths(_config("data=jsonl")),
+    "path-jsonl-missing": lambda: check_paths(_config("data=jsonl", "data.path=/nonexistent/train.jsonl")),
+    "path-model-missing": lambda: check_paths(_config("model.pretrained_path=/nonexistent/model")),
+    "path-tokenizer-missing": lambda: check_paths(_config("tokenizer.name_or_path=/nonexistent/tokenizer")),
+    "data-jsonl-bad-json": lambda: _jsonl('{"text": "a"}\n{"text": \n'),
+    "data-jsonl-no-text": lambda: _jsonl('{"body": "a"}\n'),
+    "data-jsonl-empty": lambda: _jsonl("\n\n"),
+    "data-all-empty": lambda: pack_documents([[], []], 8, "first_fit_decreasing", 0, 0),
+    "launch-cp-world": lambda: resolve_topology(world=3, rank=0, local_rank=0, cp_size=2, dp_size=None),
+    "launch-dp-size": lambda: resolve_topology(world=2, rank=0, local_rank=0, cp_size=2, dp_size=2),
+    "launch-slurm-nodelist": lambda: first_slurm_host("[bad"),
+    "model-vocabulary": _small_vocabulary_model,
+    "model-attention-never-cp": _attention_never_reached,
+}
+
+TRIGGERS: dict[str, Callable[[], Any]] = {**BATCH, **QKV, **CORE, **RECIPE}
+
+
+def _outcome(trigger_id: str) -> tuple[str | None, str]:
+    """``(error type, message)`` of one trigger (``(None, "")`` when it raised nothing); the cause's message too."""
+    try:
+        TRIGGERS[trigger_id]()
+    except BaseException as exc:
+        cause = f" | caused by: {exc.__cause__}" if exc.__cause__ is not None else ""
+        return type(exc).__name__, f"{exc}{cause}"
+    finally:
+        configure_cp_varlen()
+    return None, ""
+
+
+def _rows() -> dict[str, dict[str, str]]:
+    rows = {}
+    for line in CATALOGUE.read_text().splitlines():
+        match = ROW.match(line)
+        if match:
+            assert match["id"] not in rows, f"duplicate catalogue id {match['id']}"
+            rows[match["id"]] = match.groupdict()
+    return rows
+
+
+def test_every_catalogue_row_has_a_case_and_every_case_a_row():
+    rows = _rows()
+    assert sorted(set(rows) - set(TRIGGERS)) == [], "rows without a case"
+    assert sorted(set(TRIGGERS) - set(rows)) == [], "cases without a row"
+
+
+@pytest.mark.parametrize("row_id", sorted(TRIGGERS))
+def test_the_documented_input_is_rejected_with_the_documented_error(pools, row_id):
+    row = _rows().get(row_id)
+    assert row is not None, f"{row_id} is not in {CATALOGUE.name}"
+    if row_id in IN_POOL:
+        outcomes = pools.get(2).run_ok(_outcome, row_id, timeout=60)
+    else:
+        outcomes = [_outcome(row_id)]
+    for error, message in outcomes:
+        assert error == row["error"], f"{row_id}: raised {error}: {message}"
+        assert row["message"] in message, f"{row_id}: message {message!r} lacks {row['message']!r}"
