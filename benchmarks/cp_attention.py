@@ -304,9 +304,10 @@ def run_combo(work: Workload, combo: Combo, threads: int, overlap_baseline: bool
 
 
 def default_combos(work: Workload, workload: str) -> list[Combo]:
-    """Layouts x exchanges x the workload's kernels, with the baselines first where they fit in memory."""
+    """Layouts x exchanges x the workload's kernels (``layout=auto`` with sdpa_varlen), baselines first."""
     combos = [Combo(*UPSTREAM), Combo(*BASELINE)] if workload == "W8K" else []
     combos += [Combo(layout, ex, k) for layout in ("contiguous", "balanced") for ex in EXCHANGES for k in work.kernels]
+    combos += [Combo("auto", ex, "sdpa_varlen") for ex in EXCHANGES]
     return list(dict.fromkeys(combos))
 
 
