@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import random
 import resource
 import socket
@@ -90,12 +91,14 @@ WORKLOADS = {
     "W8K": Workload(8192, (3000, 2000, 1500, 1000), kernels=("dense", "sdpa_varlen")),
     # Long-tailed SFT mixes (MIX32K has documents longer than a shard). At 131072 tokens
     # the heads are reduced (2/1 x 32) so that CPU iterations take seconds, not minutes.
-    "MIX32K": Workload(32768, sft_mix(32768, seed=1, max_len=20000), iters=3),
+    "MIX32K": Workload(32768, sft_mix(32768, seed=1, max_len=20000)),
     # The issue-2 memory check: 131072 tokens, W8K's heads (8/4 x 64), a realistic mix (16 to 16384 tokens).
-    "S131K": Workload(131072, sft_mix(131072), iters=2),
-    "MIX131K": Workload(131072, sft_mix(131072, seed=2, max_len=40000), heads=2, kv_heads=1, head_dim=32, iters=3),
+    "S131K": Workload(131072, sft_mix(131072), iters=2),  # a memory check: 2 timed iterations
+    "MIX131K": Workload(131072, sft_mix(131072, seed=2, max_len=40000), heads=2, kv_heads=1, head_dim=32),
+    # The recipe's scale: 512 tokens of short documents, its model's heads (8/4 x 32); fixed costs dominate.
+    "R512": Workload(512, sft_mix(512, seed=0, max_len=400), head_dim=32, iters=30),
     # One document filling the row: the contiguous layout's worst case (1 x 1 x 16 heads for CPU time).
-    "DOC131K": Workload(131072, (131072,), heads=1, kv_heads=1, head_dim=16, iters=3),
+    "DOC131K": Workload(131072, (131072,), heads=1, kv_heads=1, head_dim=16),
 }
 
 
@@ -247,7 +250,8 @@ def _worker(
     }
     if overlap_baseline:
         row["exchange_s"] = _exchange_alone(ctx, work, shard.local_len, row["stats"]["path"])
-    plan = make_shard_plan(doc_runs_from_lengths(list(work.doc_lens), shard.padded_seq_len), work.cp, combo.layout)
+    # shard.layout is the resolved one (``auto`` picks contiguous or balanced per step)
+    plan = make_shard_plan(doc_runs_from_lengths(list(work.doc_lens), shard.padded_seq_len), work.cp, shard.layout)
     row.update(peak_rss_mib=_rss_mib(), lower_bound=plan.segments(rank).remote_kv_tokens, balance=plan.balance)
     results.put(row)
     dist.destroy_process_group()
@@ -263,6 +267,23 @@ def _slowest(ranks: list[dict[str, Any]], key: str) -> list[float]:
     return [max(step) for step in zip(*(r[key] for r in ranks))]
 
 
+def _collect(results: Any, procs: list[Any]) -> list[dict[str, Any]]:
+    """One result row per worker; raise as soon as a worker exits without one (instead of waiting forever)."""
+    rows: list[dict[str, Any]] = []
+    while len(rows) < len(procs):
+        try:
+            rows.append(results.get(timeout=1.0))
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"a benchmark worker failed (exit codes {dead}); its traceback is above") from None
+    for p in procs:
+        p.join()
+    return rows
+
+
 def run_combo(work: Workload, combo: Combo, threads: int, overlap_baseline: bool) -> dict[str, Any]:
     """Run one combination on ``work.cp`` fresh processes; return the reported figures."""
     ctx = mp.get_context("spawn")
@@ -274,9 +295,7 @@ def run_combo(work: Workload, combo: Combo, threads: int, overlap_baseline: bool
     ]
     for p in procs:
         p.start()
-    ranks = sorted((results.get() for _ in procs), key=lambda r: r["rank"])
-    for p in procs:
-        p.join()
+    ranks = sorted(_collect(results, procs), key=lambda r: r["rank"])
     received = [r["stats"]["kv_tokens_received"] for r in ranks]
     bounds = [r["lower_bound"] for r in ranks]
     row = {

@@ -6,12 +6,12 @@ model and data for each layout below, in freshly spawned gloo workers:
 - ``cp1``:       1 process,  cp=1, dp=1, grad_accum=2 (2 rows per step)
 - ``dp2``:       2 processes, cp=1, dp=2, grad_accum=1 (2 rows per step)
 - ``cp2-<kv>``:  2 processes, cp=2, dp=1, grad_accum=2 (2 rows per step), for each K/V exchange
+  (contiguous layout), balanced + a2a, and ``auto`` for both layout and exchange
 
-Exchange time is measured by wrapping the core's exchange entry points: forward is the
-wall time of ``allgather_kv`` / ``needed_kv``; backward is the time between the gradient
-reaching the exchanged K/V and reaching the local K/V (only the exchange's backward runs
-in between on CPU). The share is exchange time / step time on rank 0, medians over the
-steps after ``--warmup``.
+Exchange time is the time each step blocked on the K/V exchange, forward and backward,
+recorded by the core's exchange ops (``ExchangeOp.wait_s`` / ``backward_wait_s``): what
+overlap did not hide, plus waits for a slower peer. The share is exchange time / step
+time on rank 0, medians over the steps after ``--warmup``.
 
     python benchmarks/recipe_throughput.py --steps 25 --warmup 5
 """
@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.multiprocessing as mp
 
 from nemo_automodel.components.config.schema import FinetuneConfig, to_plain_dict
@@ -37,35 +36,42 @@ from nemo_automodel.components.launcher.local import free_port
 LAYOUTS: dict[str, dict[str, Any]] = {
     "cp1": {"world": 1, "cp": {"size": 1}, "grad_accum": 2},
     "dp2": {"world": 2, "cp": {"size": 1}, "grad_accum": 1},
-    "cp2-halo": {"world": 2, "cp": {"size": 2, "kv_exchange": "halo"}, "grad_accum": 2},
-    "cp2-a2a": {"world": 2, "cp": {"size": 2, "kv_exchange": "a2a"}, "grad_accum": 2},
-    "cp2-allgather": {"world": 2, "cp": {"size": 2, "kv_exchange": "allgather"}, "grad_accum": 2},
+    "cp2-halo": {"world": 2, "cp": {"size": 2, "kv_exchange": "halo", "layout": "contiguous"}, "grad_accum": 2},
+    "cp2-a2a": {"world": 2, "cp": {"size": 2, "kv_exchange": "a2a", "layout": "contiguous"}, "grad_accum": 2},
+    "cp2-allgather": {
+        "world": 2,
+        "cp": {"size": 2, "kv_exchange": "allgather", "layout": "contiguous"},
+        "grad_accum": 2,
+    },
+    "cp2-bal-a2a": {"world": 2, "cp": {"size": 2, "kv_exchange": "a2a", "layout": "balanced"}, "grad_accum": 2},
+    "cp2-auto": {"world": 2, "cp": {"size": 2, "kv_exchange": "auto", "layout": "auto"}, "grad_accum": 2},
 }
 
 
 class ExchangeTimer:
-    """Accumulates forward and backward seconds spent in the core's K/V exchange."""
+    """Records every K/V exchange the core creates; ``seconds`` is the time steps blocked on them.
+
+    Blocked time = forward waits + backward waits of each layer's exchange op
+    (``ExchangeOp.wait_s`` / ``backward_wait_s``): the exchange time that overlap
+    did not hide, plus any wait for a slower peer.
+    """
 
     def __init__(self) -> None:
-        self.seconds = 0.0
+        self.ops: list[exchange.ExchangeOp] = []
 
-    def wrap(self, fn: Any) -> Any:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            began = time.perf_counter()
-            packed, received = fn(*args, **kwargs)
-            self.seconds += time.perf_counter() - began
-            kv = next(a for a in args if isinstance(a, torch.Tensor))  # the local K/V [1, 2 * Hkv, L, D]
-            if packed.requires_grad:
-                marks: dict[str, float] = {}
-                packed.register_hook(lambda g: marks.__setitem__("out", time.perf_counter()))
-                kv.register_hook(lambda g: self._backward_done(marks))
-            return packed, received
+    def take(self) -> float:
+        """Blocked seconds of the ops recorded since the last call (their backward has run by then)."""
+        seconds = sum(op.wait_s + op.backward_wait_s for op in self.ops)
+        self.ops.clear()
+        return seconds
 
-        return timed
+    def wrap(self, make_op: Any) -> Any:
+        def recorded(*args: Any, **kwargs: Any) -> exchange.ExchangeOp:
+            op = make_op(*args, **kwargs)
+            self.ops.append(op)
+            return op
 
-    def _backward_done(self, marks: dict[str, float]) -> None:
-        if "out" in marks:
-            self.seconds += time.perf_counter() - marks["out"]
+        return recorded
 
 
 def _worker(rank: int, world: int, port: int, payload: dict[str, Any], run_dir: str, warmup: int) -> None:
@@ -80,17 +86,15 @@ def _worker(rank: int, world: int, port: int, payload: dict[str, Any], run_dir: 
         MASTER_PORT=str(port),
     )
     timer = ExchangeTimer()
-    exchange.allgather_kv = timer.wrap(exchange.allgather_kv)
-    exchange.needed_kv = timer.wrap(exchange.needed_kv)
+    exchange.make_exchange_op = timer.wrap(exchange.make_exchange_op)
     steps: list[dict[str, float]] = []
     real_train_step = finetune.train_step
 
     def timed_step(*args: Any, **kwargs: Any) -> Any:
-        before, began = timer.seconds, time.perf_counter()
+        timer.take()
+        began = time.perf_counter()
         result = real_train_step(*args, **kwargs)
-        steps.append(
-            {"step_s": time.perf_counter() - began, "exchange_s": timer.seconds - before, "tokens": result.tokens}
-        )
+        steps.append({"step_s": time.perf_counter() - began, "exchange_s": timer.take(), "tokens": result.tokens})
         return result
 
     finetune.train_step = timed_step
@@ -110,8 +114,8 @@ def _worker(rank: int, world: int, port: int, payload: dict[str, Any], run_dir: 
 def run_layout(name: str, steps: int, warmup: int) -> dict[str, Any]:
     layout = LAYOUTS[name]
     cfg = FinetuneConfig()
-    cfg.cp.size = layout["cp"]["size"]
-    cfg.cp.kv_exchange = layout["cp"].get("kv_exchange", "halo")
+    for knob, value in layout["cp"].items():
+        setattr(cfg.cp, knob, value)
     cfg.trainer.grad_accum = layout["grad_accum"]
     cfg.trainer.max_steps, cfg.trainer.ckpt_every, cfg.trainer.export_hf = steps, 0, False
     cfg.trainer.log_every = steps

@@ -61,6 +61,8 @@ def _loads(data: bytes) -> Any:
 def _worker(rank: int, world: int, port: int, tasks: Any, results: Any, pg_timeout_s: float) -> None:
     import torch.distributed as dist
 
+    from nemo_automodel.components.distributed.blockdiag_cp import configure_cp_varlen
+
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     dist.init_process_group(
@@ -76,6 +78,8 @@ def _worker(rank: int, world: int, port: int, tasks: Any, results: Any, pg_timeo
         if task is None:
             break
         fn, args, kwargs = task
+        # every task starts from the default knobs: a task (the recipe's worker, say) may configure them process-wide
+        configure_cp_varlen()
         try:
             out = RankResult(rank, True, fn(*args, **kwargs))
         except BaseException as exc:  # report everything; the parent decides

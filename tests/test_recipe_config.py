@@ -26,10 +26,10 @@ def _config(*overrides: str):
     return to_finetune_config(_compose(*overrides))
 
 
-def test_plain_run_is_cp1_and_plus_cp_blockdiag_selects_cp2_auto_halo():
+def test_plain_run_is_cp1_and_plus_cp_blockdiag_selects_cp2_and_the_cost_model():
     assert _config().cp.size == 1
     cp = _config("+cp=blockdiag").cp
-    assert (cp.size, cp.attn_backend, cp.kv_exchange) == (2, "auto", "halo")
+    assert (cp.size, cp.attn_backend, cp.kv_exchange, cp.layout, cp.overlap) == (2, "auto", "auto", "auto", True)
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -52,7 +53,8 @@ def test_main_command_trains_cp2_and_writes_metrics_checkpoint_and_hf_export(uni
     assert (run_dir / "hf" / "model.safetensors").is_file() and (run_dir / "hf" / "config.json").is_file()
     assert (run_dir / "resolved_config.yaml").is_file() and (run_dir / ".hydra" / "config.yaml").is_file()
     log = done.stdout + done.stderr
-    assert "world 2 = dp 1 x cp 2" in log and "kv halo recv" in log
+    assert "world 2 = dp 1 x cp 2" in log and re.search(r"kv (halo|a2a) recv", log)
+    assert "kv_exchange=auto: " in log, "the default +cp=blockdiag lets the cost model pick and logs its prediction"
     assert not (run_dir / "preempted.json").exists()
 
 

@@ -36,7 +36,7 @@ def test_cp1_loss_falls_so_parity_is_not_vacuous(cp1_run):
 
 @pytest.mark.parametrize("kv_exchange", ["allgather", "halo", "a2a"])
 def test_cp2_losses_and_weights_equal_cp1(pools, tmp_path, cp1_run, kv_exchange):
-    cfg = tiny_config(cp={"size": 2, "kv_exchange": kv_exchange})
+    cfg = tiny_config(cp={"size": 2, "kv_exchange": kv_exchange, "layout": "contiguous"})
     result = pools.get(2).run_ok(train_in_pool, cfg, str(tmp_path), timeout=300)[0]
     assert result["code"] == 0
     _assert_same_training(result, cp1_run)

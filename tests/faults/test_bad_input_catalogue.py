@@ -29,6 +29,7 @@ from nemo_automodel.components.datasets.packing import pack_documents
 from nemo_automodel.components.distributed.blockdiag_cp import (
     attach_cp1_packed_varlen_hooks,
     configure_cp_varlen,
+    cost,
     cp_blockdiag_sdpa,
     make_cp_blockdiag_batch_and_ctx,
     plan,
@@ -71,6 +72,8 @@ BATCH: dict[str, Callable[[], Any]] = {
     "batch-inputs-not-tensor": lambda: _build(_row(input_ids=[[1, 2, 3]])),
     "batch-inputs-rank": lambda: _build(_row(input_ids=torch.ones(8, dtype=torch.long))),
     "batch-size": lambda: _build(_row(input_ids=torch.ones(2, 8, dtype=torch.long))),
+    "batch-attn-shape": lambda: _build(_row(), layout="auto", attn_shape=(8, 4, 64)),
+    "shape-field": lambda: cost.Shape(heads=0),
     "batch-empty-row": lambda: _build(_row(0, _packed_seq_ids=None)),
     "ids-not-tensor": lambda: _build(_row(_packed_seq_ids=[[1, 1, 2, 2, 2, 2, 2, 2]])),
     "ids-shape": lambda: _build(_row(_packed_seq_ids=torch.ones(1, 7, dtype=torch.long))),

@@ -217,8 +217,8 @@ class CPConfig:
 
     size: int = 1
     attn_backend: str = "auto"
-    kv_exchange: str = "halo"
-    layout: str = "contiguous"
+    kv_exchange: str = "auto"
+    layout: str = "auto"
     overlap: bool = True
 
     def __post_init__(self) -> None:

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from nemo_automodel.components.config.schema import CPConfig
 from nemo_automodel.components.distributed.blockdiag_cp import (
+    cost,
     cp_attn_fire_count,
     exchange_stats,
     make_cp_blockdiag_batch_and_ctx,
@@ -42,6 +43,7 @@ class StepSetup:
         grad_clip: Max global grad norm (``0``: no clipping; the norm is still reported).
         bf16: bf16 autocast (applied on CUDA only).
         on_nonfinite: ``stop`` or ``skip`` a step with NaN/Inf (``trainer.on_nonfinite``).
+        attn_shape: The model's attention shape, for ``cp.layout=auto``'s cost model.
     """
 
     meshes: Meshes
@@ -52,6 +54,7 @@ class StepSetup:
     grad_clip: float
     bf16: bool
     on_nonfinite: str = "stop"
+    attn_shape: cost.Shape | None = None
 
     @property
     def reduce_group(self) -> dist.ProcessGroup:
@@ -83,6 +86,14 @@ class NonFiniteStepError(RuntimeError):
     """A step saw NaN/Inf and ``trainer.on_nonfinite=stop``; raised on every rank."""
 
 
+def attention_shape(hf_config: Any, half_precision: bool) -> cost.Shape:
+    """A Hugging Face config's attention shape: query heads, K/V heads, head dim, bytes per K/V element."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return cost.Shape(heads, kv_heads, head_dim, 2 if half_precision else 4)
+
+
 def _shard(setup: StepSetup, row: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:
     """This rank's CP slice of one packed row and its step context."""
     row = {k: v.to(setup.device) for k, v in row.items()}
@@ -94,6 +105,7 @@ def _shard(setup: StepSetup, row: dict[str, torch.Tensor]) -> tuple[Any, dict[st
         attn_backend=setup.cp.attn_backend,
         kv_exchange=setup.cp.kv_exchange,
         layout=setup.cp.layout,
+        attn_shape=setup.attn_shape,
     )
     return train_ctx, local
 

@@ -191,6 +191,7 @@ def make_cp_blockdiag_batch_and_ctx(
     attn_backend: str | None = None,
     kv_exchange: str | None = None,
     layout: str | None = None,
+    attn_shape: cost.Shape | None = None,
 ) -> tuple[Callable[[], contextlib.AbstractContextManager[StepState]], dict[str, Any], ShardLayout]:
     """Validate, pad and shard one packed batch, and build its step context.
 
@@ -213,6 +214,10 @@ def make_cp_blockdiag_batch_and_ctx(
             so every rank does the same attention work; every sequence-aligned field
             is permuted with its tokens, so position ids, labels and loss weights
             stay with them. ``auto`` picks per step with the cost model.
+        attn_shape: The model's attention shape for ``layout=auto``'s cost model
+            (``cost.Shape(heads, kv_heads, head_dim, elem_bytes)``; ``None``: a
+            generic 8 x 128 bf16 shape). The layout is chosen here, before any
+            attention call shows the real shape.
 
     Returns:
         ``(train_ctx, batch, layout)``: ``train_ctx()`` is a context manager that
@@ -227,6 +232,11 @@ def make_cp_blockdiag_batch_and_ctx(
     )
     kv_mode = state_module.normalize_kv_exchange(kv_exchange if kv_exchange is not None else configured["kv_exchange"])
     layout_name = state_module.normalize_layout(layout if layout is not None else configured["layout"])
+    if attn_shape is not None and not isinstance(attn_shape, cost.Shape):
+        raise ValueError(
+            f"attn_shape: expected blockdiag_cp.cost.Shape(heads, kv_heads, head_dim, elem_bytes) or None, "
+            f"got {type(attn_shape).__name__}"
+        )
     group, world, rank = _cp_group(cp_mesh)
 
     if ("input_ids" in batch) == ("inputs_embeds" in batch):
@@ -255,7 +265,7 @@ def make_cp_blockdiag_batch_and_ctx(
 
     pad_len = (-seq_len) % (2 * world)
     padded_len = seq_len + pad_len
-    plan = _shard_plan(runs.padded_to(padded_len), world, layout_name, device, configured["overlap"])
+    plan = _shard_plan(runs.padded_to(padded_len), world, layout_name, device, configured["overlap"], attn_shape)
     local_len = plan.local_len
     row_offset = rank * local_len
     positions = plan.permutation[row_offset : row_offset + local_len]
@@ -274,12 +284,14 @@ def make_cp_blockdiag_batch_and_ctx(
     return train_ctx, out, ShardLayout(seq_len, padded_len, world, rank, row_offset, local_len, plan.layout, positions)
 
 
-def _shard_plan(runs: DocRuns, cp: int, layout: str, device: torch.device, overlap: bool) -> ShardPlan:
-    """The step's shard plan; ``auto`` asks the cost model (default attention shape, the device's machine model)."""
+def _shard_plan(
+    runs: DocRuns, cp: int, layout: str, device: torch.device, overlap: bool, shape: cost.Shape | None
+) -> ShardPlan:
+    """The step's shard plan; ``auto`` asks the cost model (``shape`` or a generic one, the device's machine)."""
     if layout != "auto":
         return make_shard_plan(runs, cp, layout)
     machine = cost.MACHINES.get(device.type, cost.MACHINES["cuda"])
-    return cost.choose_layout(runs, cp, cost.Shape(), machine, overlap)
+    return cost.choose_layout(runs, cp, shape or cost.Shape(), machine, overlap)
 
 
 def _build_step_state(

@@ -40,22 +40,35 @@ class Machine:
 
 
 # Calibrated on this project's machines (CPU: gloo over loopback, one thread per
-# rank; benchmarks/cp_attention.py) and from public H100/H200 figures (NVLink,
-# FlashAttention bf16). Only the ranking of paths matters for `auto`.
+# rank; benchmarks/cp_attention.py: the exchange-alone times of R512, W8K and
+# MIX32K give ~0.25 ms per message and 0.3-1 GB/s, the attention times of
+# DOC131K/MIX131K the pair cost) and from public H100/H200 figures (NVLink,
+# FlashAttention bf16). Only the ranking of paths matters for `auto`; a too
+# cheap link made `layout=auto` pick the balanced layout for 512-token rows,
+# where its second message per rank costs more than the balance saves.
 MACHINES = {
-    "cpu": Machine(latency_s=1e-4, bytes_per_s=2e9, seconds_per_pair_dim=1.6e-10),
+    "cpu": Machine(latency_s=2.5e-4, bytes_per_s=5e8, seconds_per_pair_dim=1.6e-10),
     "cuda": Machine(latency_s=2e-5, bytes_per_s=1.5e11, seconds_per_pair_dim=3.5e-14),
 }
 
 
 @dataclass(frozen=True)
 class Shape:
-    """Attention shape: query heads, K/V heads, head dim and bytes per element."""
+    """Attention shape: query heads, K/V heads, head dim and bytes per element.
+
+    The default (8 heads of 128, bf16) stands in for a model the caller did not describe.
+    """
 
     heads: int = 8
     kv_heads: int = 8
     head_dim: int = 128
     elem_bytes: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("heads", "kv_heads", "head_dim", "elem_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"attn_shape.{name}: expected a positive int, got {value!r}")
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -81,14 +94,19 @@ class PathCost:
 
 
 def _recv_and_messages(path: str, shard: ShardPlan, kv: KVPlan, rank: int) -> tuple[int, int, int]:
-    """``(tokens received, tokens sent, messages)`` of one direction of ``path`` on ``rank``."""
+    """``(tokens received, tokens sent, messages)`` of one direction of ``path`` on ``rank``.
+
+    Messages count every send and every receive the rank takes part in: a ring
+    step of ``allgather`` is one of each, like a halo rank that both receives
+    from its left and sends to its right.
+    """
     cp, local = shard.cp, shard.local_len
     if path == "allgather":
-        return (cp - 1) * local, (cp - 1) * local, cp - 1
+        return (cp - 1) * local, (cp - 1) * local, 2 * (cp - 1)
     recv = kv.remote_tokens(rank)
     sent = sum(kv.recv_count(dst, rank) for dst in range(cp))
     if path == "halo":
-        return recv, sent, int(recv > 0 or sent > 0)
+        return recv, sent, int(recv > 0) + int(sent > 0)
     return recv, sent, kv.peers(rank) + sum(1 for dst in range(cp) if kv.recv_count(dst, rank))
 
 

@@ -62,7 +62,7 @@ class _WaitClock:
 
 _LAST_STATS: ExchangeStats | None = None
 _CLOCK = _WaitClock()
-_LAST_AUTO_PATH: str | None = None
+_AUTO_PATHS_LOGGED: set[str] = set()
 
 
 def exchange_stats() -> dict[str, Any] | None:
@@ -251,10 +251,12 @@ def _auto_choice(state: StepState, plan: KVPlan, device: torch.device) -> tuple[
         machine = cost.MACHINES.get(torch.device(device).type, cost.MACHINES["cuda"])
         path, reason, _ = cost.choose(state.shard_plan, plan, state.cache.shape or cost.Shape(), machine, state.overlap)
         state.cache.auto_choice = (path, reason)
-        global _LAST_AUTO_PATH
-        if path != _LAST_AUTO_PATH:  # log the choice whenever it changes from one step to the next
-            _LAST_AUTO_PATH = path
-            logger.info("%s", reason)
+        # each path's first pick at INFO; mixed rows flip the pick per step, which would flood the log
+        if path not in _AUTO_PATHS_LOGGED:
+            _AUTO_PATHS_LOGGED.add(path)
+            logger.info("%s (first pick of %s; every pick is logged at DEBUG)", reason, path)
+        else:
+            logger.debug("%s", reason)
     return state.cache.auto_choice
 
 
