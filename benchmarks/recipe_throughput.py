@@ -33,18 +33,18 @@ from nemo_automodel.components.config.schema import FinetuneConfig, to_plain_dic
 from nemo_automodel.components.distributed.blockdiag_cp import exchange
 from nemo_automodel.components.launcher.local import free_port
 
+
+def _cp2(kv_exchange: str, layout: str) -> dict[str, Any]:
+    """2 processes, cp=2, dp=1, grad_accum=2 with the given exchange and layout."""
+    return {"world": 2, "cp": {"size": 2, "kv_exchange": kv_exchange, "layout": layout}, "grad_accum": 2}
+
+
 LAYOUTS: dict[str, dict[str, Any]] = {
     "cp1": {"world": 1, "cp": {"size": 1}, "grad_accum": 2},
     "dp2": {"world": 2, "cp": {"size": 1}, "grad_accum": 1},
-    "cp2-halo": {"world": 2, "cp": {"size": 2, "kv_exchange": "halo", "layout": "contiguous"}, "grad_accum": 2},
-    "cp2-a2a": {"world": 2, "cp": {"size": 2, "kv_exchange": "a2a", "layout": "contiguous"}, "grad_accum": 2},
-    "cp2-allgather": {
-        "world": 2,
-        "cp": {"size": 2, "kv_exchange": "allgather", "layout": "contiguous"},
-        "grad_accum": 2,
-    },
-    "cp2-bal-a2a": {"world": 2, "cp": {"size": 2, "kv_exchange": "a2a", "layout": "balanced"}, "grad_accum": 2},
-    "cp2-auto": {"world": 2, "cp": {"size": 2, "kv_exchange": "auto", "layout": "auto"}, "grad_accum": 2},
+    **{f"cp2-{kv}": _cp2(kv, "contiguous") for kv in ("halo", "a2a", "allgather")},
+    "cp2-bal-a2a": _cp2("a2a", "balanced"),
+    "cp2-auto": _cp2("auto", "auto"),
 }
 
 

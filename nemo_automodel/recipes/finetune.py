@@ -48,7 +48,7 @@ from nemo_automodel.components.training.preemption import (
     write_preempted_marker,
 )
 from nemo_automodel.components.training.rng import seed_everything
-from nemo_automodel.components.training.step import StepSetup, attention_shape, train_step
+from nemo_automodel.components.training.step import StepSetup, attention_shape, bf16_autocast, train_step
 
 logger = logging.getLogger("nemo_automodel.finetune")
 
@@ -147,7 +147,7 @@ def train(config: FinetuneConfig, run_dir: Path, topology: Topology, device: tor
         grad_clip=config.optim.grad_clip,
         bf16=trainer.bf16,
         on_nonfinite=trainer.on_nonfinite,
-        attn_shape=attention_shape(hf_config, trainer.bf16 and device.type == "cuda"),
+        attn_shape=attention_shape(hf_config, bf16_autocast(trainer.bf16, device)),
     )
     writer = MetricsWriter(run_dir, topology.is_main, start_step, trainer.max_steps, trainer.log_every)
     preemption = PreemptionFlag().install()

@@ -57,6 +57,10 @@ class StepSetup:
     attn_shape: cost.Shape | None = None
 
     @property
+    def autocast_bf16(self) -> bool:
+        return bf16_autocast(self.bf16, self.device)
+
+    @property
     def reduce_group(self) -> dist.ProcessGroup:
         return self.meshes.dp_cp.get_group()
 
@@ -86,6 +90,11 @@ class NonFiniteStepError(RuntimeError):
     """A step saw NaN/Inf and ``trainer.on_nonfinite=stop``; raised on every rank."""
 
 
+def bf16_autocast(bf16: bool, device: torch.device) -> bool:
+    """Whether ``trainer.bf16`` turns autocast on for ``device`` (CUDA only; CPU trains in fp32)."""
+    return bf16 and device.type == "cuda"
+
+
 def attention_shape(hf_config: Any, half_precision: bool) -> cost.Shape:
     """A Hugging Face config's attention shape: query heads, K/V heads, head dim, bytes per K/V element."""
     heads = hf_config.num_attention_heads
@@ -111,8 +120,7 @@ def _shard(setup: StepSetup, row: dict[str, torch.Tensor]) -> tuple[Any, dict[st
 
 
 def _autocast(setup: StepSetup) -> contextlib.AbstractContextManager[None]:
-    enabled = setup.bf16 and setup.device.type == "cuda"
-    return torch.autocast(setup.device.type, dtype=torch.bfloat16, enabled=enabled)
+    return torch.autocast(setup.device.type, dtype=torch.bfloat16, enabled=setup.autocast_bf16)
 
 
 def _check_cp_reached_attention(setup: StepSetup) -> None:

@@ -290,8 +290,7 @@ def _shard_plan(
     """The step's shard plan; ``auto`` asks the cost model (``shape`` or a generic one, the device's machine)."""
     if layout != "auto":
         return make_shard_plan(runs, cp, layout)
-    machine = cost.MACHINES.get(device.type, cost.MACHINES["cuda"])
-    return cost.choose_layout(runs, cp, shape or cost.Shape(), machine, overlap)
+    return cost.choose_layout(runs, cp, shape or cost.Shape(), cost.machine_for(device), overlap)
 
 
 def _build_step_state(

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from nemo_automodel.components.distributed.blockdiag_cp.exchange import KVPlan, compute_kv_plan
 from nemo_automodel.components.distributed.blockdiag_cp.layout import LAYOUTS, DocRuns, ShardPlan, make_shard_plan
 
@@ -50,6 +52,11 @@ MACHINES = {
     "cpu": Machine(latency_s=2.5e-4, bytes_per_s=5e8, seconds_per_pair_dim=1.6e-10),
     "cuda": Machine(latency_s=2e-5, bytes_per_s=1.5e11, seconds_per_pair_dim=3.5e-14),
 }
+
+
+def machine_for(device: torch.device | str) -> Machine:
+    """The machine model of ``device``'s type (``cuda`` for accelerators without one of their own)."""
+    return MACHINES.get(torch.device(device).type, MACHINES["cuda"])
 
 
 @dataclass(frozen=True)

@@ -248,8 +248,8 @@ def _select_kv_exchange_path(
 def _auto_choice(state: StepState, plan: KVPlan, device: torch.device) -> tuple[str, str]:
     """``kv_exchange=auto``: the cost model's path for this step (same on every rank: replicated inputs)."""
     if state.cache.auto_choice is None:
-        machine = cost.MACHINES.get(torch.device(device).type, cost.MACHINES["cuda"])
-        path, reason, _ = cost.choose(state.shard_plan, plan, state.cache.shape or cost.Shape(), machine, state.overlap)
+        shape = state.cache.shape or cost.Shape()
+        path, reason, _ = cost.choose(state.shard_plan, plan, shape, cost.machine_for(device), state.overlap)
         state.cache.auto_choice = (path, reason)
         # each path's first pick at INFO; mixed rows flip the pick per step, which would flood the log
         if path not in _AUTO_PATHS_LOGGED:
