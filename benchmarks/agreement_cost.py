@@ -38,7 +38,6 @@ from nemo_automodel.components.distributed.blockdiag_cp import (
     make_cp_blockdiag_batch_and_ctx,
     runtime,
 )
-from nemo_automodel.components.distributed.blockdiag_cp.state import StepState
 
 
 @dataclass(frozen=True)
@@ -75,16 +74,6 @@ def _median_s(fn: Any, iters: int, group: dist.ProcessGroup) -> float:
     return statistics.median(times)
 
 
-def _agreement_fields(state: StepState, q: torch.Tensor, k: torch.Tensor) -> dict[str, Any]:
-    """The fields ``_agree_on_step`` fingerprints (for timing the host part alone)."""
-    plan = state.shard_plan
-    return {
-        "layout": (plan.runs.starts, plan.runs.ends, plan.pieces),
-        "shapes": (tuple(q.shape), tuple(k.shape), str(q.dtype)),
-        "knobs": (state.cp_size, plan.runs.total_len, state.local_len, state.attn_backend, state.kv_exchange),
-    }
-
-
 def _measure(work: Workload) -> dict[str, float]:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
     group = mesh.get_group()
@@ -98,19 +87,21 @@ def _measure(work: Workload) -> dict[str, float]:
     k, v = (torch.randn(1, work.kv_heads, shard.local_len, work.head_dim, generator=gen) for _ in range(2))
     k.requires_grad_(), v.requires_grad_()
     with ctx() as state:
+        route = runtime._route(state, q.device)
+        kernel = runtime._kernel_for(state, q)[0]
 
         def agreement() -> None:
             state.cache.agreed = False
-            runtime._agree_on_step(state, q, k)
+            runtime._agree_on_step(state, q, k, v, kernel, route)
 
         def fingerprints() -> None:
-            for value in _agreement_fields(state, q, k).values():
+            for value in runtime._agreement_fields(state, q, k, v, kernel, route).values():
                 consensus.fingerprint(value)
 
         def layer() -> None:
             cp_blockdiag_sdpa(q, k, v, enable_gqa=True).sum().backward()
 
-        layer()  # warm-up; also completes this step's agreement and preflight
+        layer()  # warm-up; also completes this step's agreement
         return {
             "agreement": _median_s(agreement, work.iters * 4, group),
             "fingerprints": _median_s(fingerprints, work.iters * 4, group),

@@ -200,12 +200,15 @@ def _exchange_alone(ctx: Any, work: Workload, local_len: int, path: str, reps: i
     samples = []
     with ctx() as st:
         plan = None if path == "allgather" else exchange.compute_kv_plan(st.shard_plan)
-        kv = torch.randn(1, 2 * work.kv_heads, local_len, work.head_dim)
+        ranges = [group.kv_ranges for group in st.groups]
+        route = exchange.make_route(path, "", plan, ranges, st.cp_rank, st.cp_size, local_len)
+        k, v = (torch.randn(1, work.kv_heads, local_len, work.head_dim) for _ in range(2))
         for _ in range(reps):
-            op = exchange.make_exchange_op(path, st.group, st.cp_rank, st.cp_size, plan)
+            op = route.new_op(st.group, st.cp_rank, st.cp_size)
             dist.barrier()
             start = time.perf_counter()
-            op.start(kv)
+            chunks = (k.split(route.local_cuts, dim=2), v.split(route.local_cuts, dim=2))
+            op.start(exchange.send_buffer(k, v, chunks, route.send_chunks))
             received = op.finish()
             op.start_backward(torch.ones_like(received))
             op.finish_backward()
@@ -213,8 +216,54 @@ def _exchange_alone(ctx: Any, work: Workload, local_len: int, path: str, reps: i
     return statistics.median(samples)
 
 
+def _median_fwd_bwd(fn: Any, inputs: list[torch.Tensor], reps: int) -> float:
+    """Median seconds of ``fn(*inputs).sum().backward()`` (after one warm-up call)."""
+    samples = []
+    for i in range(reps + 1):
+        start = time.perf_counter()
+        fn(*inputs).sum().backward()
+        if i:
+            samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def _predicted_s(block: AttentionBlock, work: Workload, segments: Any, reps: int = 3) -> dict[str, float]:
+    """This rank's block time predicted from the machine's own kernels, measured here in the same process.
+
+    - projections: the block's q/kv/o linears, forward + backward, on the rank's ``L`` rows;
+    - attention: for each local segment of ``q`` rows over ``k`` keys, torch's CPU flash SDPA
+      (``is_causal``, forward + backward) on a ``k``-token document gives a rate per (query, key)
+      pair, charged for the segment's ``q (k - q) + q (q + 1) / 2`` pairs.
+    """
+    hidden = work.heads * work.head_dim
+    x = torch.randn(1, segments.local_len, hidden, requires_grad=True)
+    proj = _median_fwd_bwd(lambda t: block.q(t).sum() + block.kv(t).sum() + block.o(t).sum(), [x], reps)
+    attention = 0.0
+    rates: dict[int, float] = {}
+    for q_len, k_len in zip(segments.q_lens, segments.k_lens):
+        if k_len not in rates:
+            q = torch.randn(1, work.heads, k_len, work.head_dim, requires_grad=True)
+            kv = [torch.randn(1, work.kv_heads, k_len, work.head_dim, requires_grad=True) for _ in range(2)]
+
+            def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, enable_gqa=work.heads != work.kv_heads
+                )
+
+            rates[k_len] = _median_fwd_bwd(causal, [q, *kv], reps) / (k_len * (k_len + 1) // 2)
+        attention += rates[k_len] * (q_len * (k_len - q_len) + q_len * (q_len + 1) // 2)
+    return {"projections_s": proj, "attention_s": attention, "predicted_s": proj + attention}
+
+
 def _worker(
-    rank: int, port: int, work: Workload, combo: Combo, threads: int, overlap_baseline: bool, results: Any
+    rank: int,
+    port: int,
+    work: Workload,
+    combo: Combo,
+    threads: int,
+    overlap_baseline: bool,
+    efficiency: bool,
+    results: Any,
 ) -> None:
     torch.set_num_threads(threads)
     dist.init_process_group(
@@ -250,6 +299,9 @@ def _worker(
     }
     if overlap_baseline:
         row["exchange_s"] = _exchange_alone(ctx, work, shard.local_len, row["stats"]["path"])
+    if efficiency and not upstream:
+        with ctx() as st:
+            row.update(_predicted_s(block, work, st.segments))
     # shard.layout is the resolved one (``auto`` picks contiguous or balanced per step)
     plan = make_shard_plan(doc_runs_from_lengths(list(work.doc_lens), shard.padded_seq_len), work.cp, shard.layout)
     row.update(peak_rss_mib=_rss_mib(), lower_bound=plan.segments(rank).remote_kv_tokens, balance=plan.balance)
@@ -284,13 +336,15 @@ def _collect(results: Any, procs: list[Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def run_combo(work: Workload, combo: Combo, threads: int, overlap_baseline: bool) -> dict[str, Any]:
+def run_combo(
+    work: Workload, combo: Combo, threads: int, overlap_baseline: bool, efficiency: bool = False
+) -> dict[str, Any]:
     """Run one combination on ``work.cp`` fresh processes; return the reported figures."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, port, work, combo, threads, overlap_baseline, results))
+        ctx.Process(target=_worker, args=(r, port, work, combo, threads, overlap_baseline, efficiency, results))
         for r in range(work.cp)
     ]
     for p in procs:
@@ -312,6 +366,16 @@ def run_combo(work: Workload, combo: Combo, threads: int, overlap_baseline: bool
             round(a / b, 2) if b else (1.0 if a == 0 else float("inf")) for a, b in zip(received, bounds)
         ],
     }
+    if efficiency and "predicted_s" in ranks[0]:
+        # the rank with the most predicted work sets the pace; the others also wait for it
+        slowest = max(ranks, key=lambda r: r["predicted_s"])
+        measured = statistics.median(slowest["times"])
+        row["efficiency"] = {
+            "rank": slowest["rank"],
+            "measured_s": measured,
+            **{k: slowest[k] for k in ("projections_s", "attention_s", "predicted_s")},
+            "ratio": slowest["predicted_s"] / measured,
+        }
     if overlap_baseline:
         alone = max(r["exchange_s"] for r in ranks)
         row["median_no_overlap_s"] = statistics.median(_slowest(ranks, "times_no_overlap"))
@@ -377,6 +441,11 @@ def main() -> None:
         action="store_true",
         help="also time one process on the full row (sdpa_varlen) and report the CP overhead",
     )
+    parser.add_argument(
+        "--efficiency",
+        action="store_true",
+        help="also predict each rank's time from this machine's GEMM and flash-SDPA rates (report predicted/measured)",
+    )
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
     work = WORKLOADS[args.workload]
@@ -387,7 +456,7 @@ def main() -> None:
     )
     rows = []
     for combo in combos:
-        rows.append(run_combo(work, combo, args.threads, not args.no_overlap_baseline))
+        rows.append(run_combo(work, combo, args.threads, not args.no_overlap_baseline, args.efficiency))
         print(f"done {combo.key}: {rows[-1]['median_s']:.3f}s", flush=True)
     print(
         f"\nworkload {args.workload}: S={work.seq_len} cp={work.cp} Hq={work.heads} Hkv={work.kv_heads} "
@@ -395,6 +464,18 @@ def main() -> None:
     )
     print(_table(rows))
     print(f"\nbare worker RSS (after init_process_group, before any work): {rows[0]['bare_rss_mib']} MiB")
+    if args.efficiency:
+        print(
+            "\nblock efficiency = predicted / measured, slowest rank (predicted: projections + per-segment flash SDPA)"
+        )
+        for r in rows:
+            e = r.get("efficiency")
+            if e:
+                print(
+                    f"  {r['layout']}/{r['kv_exchange']}/{r['backend']}: rank {e['rank']} measured "
+                    f"{e['measured_s']:.3f} s, predicted {e['predicted_s']:.3f} s (projections "
+                    f"{e['projections_s']:.3f} + attention {e['attention_s']:.3f}) -> {e['ratio']:.1%}"
+                )
     if args.cp_overhead:
         single = run_combo(replace(work, cp=1), Combo("contiguous", "allgather", "sdpa_varlen"), args.threads, False)
         print(

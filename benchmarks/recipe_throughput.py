@@ -1,132 +1,245 @@
-"""Recipe throughput on CPU: tokens/s of cp=2 vs cp=1 at the same global batch, and the K/V exchange share.
+"""The recipe loop on CPU: throughput, K/V exchange share, long-row scaling and syncs per layer.
 
-Runs the real recipe loop (``nemo_automodel.recipes.finetune.train``) with the default
-model and data for each layout below, in freshly spawned gloo workers:
+Runs the real recipe (``nemo_automodel.recipes.finetune.worker_main``) in freshly spawned gloo
+workers and reports, side by side in one run:
 
-- ``cp1``:       1 process,  cp=1, dp=1, grad_accum=2 (2 rows per step)
-- ``dp2``:       2 processes, cp=1, dp=2, grad_accum=1 (2 rows per step)
-- ``cp2-<kv>``:  2 processes, cp=2, dp=1, grad_accum=2 (2 rows per step), for each K/V exchange
-  (contiguous layout), balanced + a2a, and ``auto`` for both layout and exchange
-
-Exchange time is the time each step blocked on the K/V exchange, forward and backward,
-recorded by the core's exchange ops (``ExchangeOp.wait_s`` / ``backward_wait_s``): what
-overlap did not hide, plus waits for a slower peer. The share is exchange time / step
-time on rank 0, medians over the steps after ``--warmup``.
+- default (``--layouts``): tokens/s of cp=2 vs cp=1 at the same global batch (2 rows x 512
+  tokens, the default model and data) and the share of step time blocked on the K/V exchange
+  (forward and backward waits recorded in each step's CP state: what overlap did not hide, plus
+  waits for a slower peer);
+- ``--scaling``: one row per step of ``--seq-lens`` tokens (long documents), cp=1 in one process
+  with 2 threads vs cp=2 in two processes with 1 thread each: tokens/s and peak RSS per rank,
+  and from a straight-line fit of peak RSS against the row length, the longest row that fits a
+  memory budget per rank for each (the long-row scaling of the metrics notes);
+- ``--syncs``: control collectives and host syncs of one training step with 1, 8 and 32
+  decoder layers (counted with ``blockdiag_cp.syncs.count_syncs``), per exchange, and their
+  growth per layer; ``consensus=call`` (the per-call agreement of earlier versions) side by side.
 
     python benchmarks/recipe_throughput.py --steps 25 --warmup 5
+    python benchmarks/recipe_throughput.py --scaling --seq-lens 4096 8192 16384 32768 65536
+    python benchmarks/recipe_throughput.py --syncs
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import resource
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 
 from nemo_automodel.components.config.schema import FinetuneConfig, to_plain_dict
-from nemo_automodel.components.distributed.blockdiag_cp import exchange
+from nemo_automodel.components.distributed.blockdiag_cp.syncs import count_syncs
 from nemo_automodel.components.launcher.local import free_port
 
 
-def _cp2(kv_exchange: str, layout: str) -> dict[str, Any]:
-    """2 processes, cp=2, dp=1, grad_accum=2 with the given exchange and layout."""
-    return {"world": 2, "cp": {"size": 2, "kv_exchange": kv_exchange, "layout": layout}, "grad_accum": 2}
+@dataclass(frozen=True)
+class Run:
+    """One recipe configuration: processes, threads per process and config overrides (``section.key``)."""
+
+    world: int
+    threads: int
+    overrides: dict[str, Any] = field(default_factory=dict)
 
 
-LAYOUTS: dict[str, dict[str, Any]] = {
-    "cp1": {"world": 1, "cp": {"size": 1}, "grad_accum": 2},
-    "dp2": {"world": 2, "cp": {"size": 1}, "grad_accum": 1},
-    **{f"cp2-{kv}": _cp2(kv, "contiguous") for kv in ("halo", "a2a", "allgather")},
-    "cp2-bal-a2a": _cp2("a2a", "balanced"),
-    "cp2-auto": _cp2("auto", "auto"),
+def _cp2(kv_exchange: str, layout: str, **more: Any) -> Run:
+    """2 processes (1 thread each), cp=2, dp=1, with the given exchange and layout."""
+    return Run(2, 1, {"cp.size": 2, "cp.kv_exchange": kv_exchange, "cp.layout": layout, **more})
+
+
+LAYOUTS: dict[str, Run] = {
+    "cp1": Run(1, 2, {"cp.size": 1, "trainer.grad_accum": 2}),
+    "dp2": Run(2, 1, {"cp.size": 1, "trainer.grad_accum": 1}),
+    **{f"cp2-{kv}": _cp2(kv, "contiguous", **{"trainer.grad_accum": 2}) for kv in ("halo", "a2a", "allgather")},
+    "cp2-bal-a2a": _cp2("a2a", "balanced", **{"trainer.grad_accum": 2}),
+    "cp2-auto": _cp2("auto", "auto", **{"trainer.grad_accum": 2}),
 }
 
 
-class ExchangeTimer:
-    """Records every K/V exchange the core creates; ``seconds`` is the time steps blocked on them.
-
-    Blocked time = forward waits + backward waits of each layer's exchange op
-    (``ExchangeOp.wait_s`` / ``backward_wait_s``): the exchange time that overlap
-    did not hide, plus any wait for a slower peer.
-    """
-
-    def __init__(self) -> None:
-        self.ops: list[exchange.ExchangeOp] = []
-
-    def take(self) -> float:
-        """Blocked seconds of the ops recorded since the last call (their backward has run by then)."""
-        seconds = sum(op.wait_s + op.backward_wait_s for op in self.ops)
-        self.ops.clear()
-        return seconds
-
-    def wrap(self, make_op: Any) -> Any:
-        def recorded(*args: Any, **kwargs: Any) -> exchange.ExchangeOp:
-            op = make_op(*args, **kwargs)
-            self.ops.append(op)
-            return op
-
-        return recorded
+def _rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _worker(rank: int, world: int, port: int, payload: dict[str, Any], run_dir: str, warmup: int) -> None:
+def _worker(rank: int, run: Run, port: int, payload: dict[str, Any], run_dir: str, warmup: int, syncs: bool) -> None:
     from nemo_automodel.recipes import finetune
 
+    torch.set_num_threads(run.threads)
     os.environ.update(
         RANK=str(rank),
-        WORLD_SIZE=str(world),
+        WORLD_SIZE=str(run.world),
         LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(run.world),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
-    timer = ExchangeTimer()
-    exchange.make_exchange_op = timer.wrap(exchange.make_exchange_op)
-    steps: list[dict[str, float]] = []
+    bare_rss = _rss_mib()
+    steps: list[dict[str, Any]] = []
     real_train_step = finetune.train_step
 
-    def timed_step(*args: Any, **kwargs: Any) -> Any:
-        timer.take()
-        began = time.perf_counter()
-        result = real_train_step(*args, **kwargs)
-        steps.append({"step_s": time.perf_counter() - began, "exchange_s": timer.take(), "tokens": result.tokens})
+    def measured_step(*args: Any, **kwargs: Any) -> Any:
+        counting = syncs and len(steps) == warmup  # one counted step, after the warm-up
+        with count_syncs() if counting else contextlib.nullcontext() as counts:
+            began = time.perf_counter()
+            result = real_train_step(*args, **kwargs)
+            elapsed = time.perf_counter() - began
+        step = {"step_s": elapsed, "exchange_s": result.exchange_wait_s, "tokens": result.tokens}
+        if counts is not None:
+            origins = {where for _, where in counts.host}
+            step |= {"control": counts.control_collectives, "exchange": sum(counts.exchange.values())}
+            step |= {"host": {where: counts.host_syncs_from(where) for where in origins}}
+            step |= {"detail": {**counts.control, **{f"{m}@{w}": n for (m, w), n in counts.host.items()}}}
+        steps.append(step)
         return result
 
-    finetune.train_step = timed_step
+    finetune.train_step = measured_step
     finetune.worker_main(payload, run_dir)
-    if rank == 0:
-        measured = steps[warmup:]
-        step_s = statistics.median(s["step_s"] for s in measured)
-        summary = {
-            "tokens_per_s": sum(s["tokens"] for s in measured) / sum(s["step_s"] for s in measured),
-            "median_step_s": step_s,
-            "exchange_share": statistics.median(s["exchange_s"] / s["step_s"] for s in measured),
-            "median_exchange_ms": 1000 * statistics.median(s["exchange_s"] for s in measured),
-        }
-        Path(run_dir, "bench.json").write_text(json.dumps(summary))
+    measured = steps[warmup:]
+    summary = {
+        "tokens_per_s": sum(s["tokens"] for s in measured) / sum(s["step_s"] for s in measured),
+        "median_step_s": statistics.median(s["step_s"] for s in measured),
+        "exchange_share": statistics.median(s["exchange_s"] / s["step_s"] for s in measured),
+        "median_exchange_ms": 1000 * statistics.median(s["exchange_s"] for s in measured),
+        "peak_rss_mib": _rss_mib(),
+        "bare_rss_mib": bare_rss,
+        "counted": measured[0] if syncs else None,
+    }
+    Path(run_dir, f"bench{rank}.json").write_text(json.dumps(summary))
 
 
-def run_layout(name: str, steps: int, warmup: int) -> dict[str, Any]:
-    layout = LAYOUTS[name]
+def _config(overrides: dict[str, Any], steps: int) -> dict[str, Any]:
     cfg = FinetuneConfig()
-    for knob, value in layout["cp"].items():
-        setattr(cfg.cp, knob, value)
-    cfg.trainer.grad_accum = layout["grad_accum"]
     cfg.trainer.max_steps, cfg.trainer.ckpt_every, cfg.trainer.export_hf = steps, 0, False
     cfg.trainer.log_every = steps
+    for dotted, value in overrides.items():
+        section, key = dotted.split(".")
+        setattr(getattr(cfg, section), key, value)
+    return to_plain_dict(cfg)
+
+
+def run(run: Run, steps: int, warmup: int, extra: dict[str, Any] | None = None, syncs: bool = False) -> dict:
+    """Run ``run`` (plus ``extra`` overrides) and return each rank's summary, slowest first."""
+    payload = _config({**run.overrides, **(extra or {})}, steps)
     with tempfile.TemporaryDirectory() as run_dir:
         mp.start_processes(
             _worker,
-            args=(layout["world"], free_port(), to_plain_dict(cfg), run_dir, warmup),
-            nprocs=layout["world"],
+            args=(run, free_port(), payload, run_dir, warmup, syncs),
+            nprocs=run.world,
             start_method="spawn",
         )
-        return json.loads(Path(run_dir, "bench.json").read_text())
+        ranks = [json.loads(Path(run_dir, f"bench{r}.json").read_text()) for r in range(run.world)]
+    return {
+        **min(ranks, key=lambda r: r["tokens_per_s"]),
+        "peak_rss_mib": max(r["peak_rss_mib"] for r in ranks),
+        "ranks": ranks,
+    }
+
+
+def _throughput(args: argparse.Namespace) -> None:
+    results = {name: run(LAYOUTS[name], args.steps, args.warmup) for name in args.layouts}
+    print(f"\ndefault model and data, {args.steps} steps ({args.warmup} warm-up), global batch 2 rows x 512 tokens")
+    print(f"{'layout':<15}{'tokens/s':>10}{'step ms':>10}{'exchange ms':>13}{'exchange share':>16}")
+    for name, r in results.items():
+        print(
+            f"{name:<15}{r['tokens_per_s']:>10.0f}{1000 * r['median_step_s']:>10.1f}"
+            f"{r['median_exchange_ms']:>13.1f}{100 * r['exchange_share']:>15.1f}%"
+        )
+
+
+def _long_rows(seq_len: int) -> dict[str, Any]:
+    """Overrides for one row of ``seq_len`` tokens per step, long documents (many longer than a CP shard)."""
+    return {
+        "data.seq_len": seq_len,
+        "data.min_doc_len": 256,
+        "data.max_doc_len": seq_len,
+        "data.num_documents": 64,
+        "model.max_position_embeddings": seq_len,
+        "trainer.grad_accum": 1,
+    }
+
+
+SCALING = {
+    "cp1 (1 proc x 2 threads)": Run(1, 2, {"cp.size": 1}),
+    "cp2 (2 procs x 1 thread)": Run(2, 1, {"cp.size": 2, "cp.kv_exchange": "auto", "cp.layout": "auto"}),
+}
+
+
+def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares ``rss = a + b * seq_len``."""
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+def _scaling(args: argparse.Namespace) -> None:
+    table: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in SCALING}
+    for seq_len in args.seq_lens:
+        for name, config in SCALING.items():
+            table[name][seq_len] = run(config, args.steps, args.warmup, _long_rows(seq_len))
+            r = table[name][seq_len]
+            print(f"{name} seq_len={seq_len}: {r['tokens_per_s']:.0f} tokens/s, peak RSS {r['peak_rss_mib']:.0f} MiB")
+    print(f"\none row per step, default model, {args.steps} steps ({args.warmup} warm-up)")
+    print(f"{'seq_len':>8} | " + " | ".join(f"{n}: tokens/s, peak RSS MiB/rank" for n in SCALING) + " | tokens/s ratio")
+    names = list(SCALING)
+    for seq_len in args.seq_lens:
+        a, b = (table[n][seq_len] for n in names)
+        ratio = b["tokens_per_s"] / a["tokens_per_s"]
+        print(
+            f"{seq_len:>8} | {a['tokens_per_s']:.0f}, {a['peak_rss_mib']:.0f} | "
+            f"{b['tokens_per_s']:.0f}, {b['peak_rss_mib']:.0f} | {ratio:.2f}x"
+        )
+    fits = {n: _fit([(s, table[n][s]["peak_rss_mib"]) for s in args.seq_lens]) for n in names}
+    bare = {n: statistics.fmean(r["bare_rss_mib"] for s in args.seq_lens for r in table[n][s]["ranks"]) for n in names}
+    for n in names:
+        a, b = fits[n]
+        print(f"{n}: peak RSS ~ {a:.0f} MiB + {1024 * b:.1f} MiB per 1K tokens (bare process {bare[n]:.0f} MiB)")
+    for budget in args.budgets_mib:
+        longest = {n: (budget - fits[n][0]) / fits[n][1] for n in names}
+        print(
+            f"budget {budget} MiB/rank: longest row {longest[names[0]]:.0f} (cp1) vs {longest[names[1]]:.0f} (cp2)"
+            f" tokens: {longest[names[1]] / longest[names[0]]:.2f}x"
+        )
+
+
+SYNC_RUNS = {
+    "allgather": _cp2("allgather", "contiguous"),
+    "halo": _cp2("halo", "contiguous"),
+    "a2a": _cp2("a2a", "contiguous"),
+    "auto/auto": _cp2("auto", "auto"),
+    "halo, consensus=call": _cp2("halo", "contiguous", **{"cp.consensus": "call"}),
+}
+
+
+def _syncs(args: argparse.Namespace) -> None:
+    layers = (1, 8, 32)
+    print(f"\none training step (after {args.warmup} warm-up), default data, cp=2, grad_accum=1; counts on rank 0")
+    print("ctl: control collectives; cp: host syncs in the CP core; other: host syncs elsewhere; kv: exchanges")
+    print(f"{'exchange':<22}" + "".join(f"{f'{n} layers':>30}" for n in layers) + f"{'per layer':>34}")
+    for name, config in SYNC_RUNS.items():
+        extra = {"model.num_layers": 0, "trainer.grad_accum": 1}
+        counted = []
+        for n in layers:
+            extra["model.num_layers"] = n
+            counted.append(run(config, args.warmup + 1, args.warmup, extra, syncs=True)["ranks"][0]["counted"])
+        for c in counted:
+            c["cp"] = c["host"].get("cp", 0)
+            c["other"] = sum(c["host"].values()) - c["cp"]
+        cells = "".join(
+            f"{c['control']:>8} ctl {c['cp']:>3} cp {c['other']:>4} other {c['exchange']:>3} kv" for c in counted
+        )
+        k = layers[-1] - layers[0]
+        slope = ", ".join(f"{(counted[-1][f] - counted[0][f]) / k:.2f} {f}" for f in ("control", "cp", "other"))
+        print(f"{name:<22}{cells}{slope:>34}", flush=True)
+        print(f"{'':<22}at {layers[-1]} layers: {counted[-1]['detail']}", flush=True)
 
 
 def main() -> None:
@@ -134,18 +247,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--scaling", action="store_true", help="long-row scaling, cp=1 vs cp=2")
+    parser.add_argument("--seq-lens", nargs="+", type=int, default=[4096, 8192, 16384, 32768, 65536])
+    parser.add_argument("--budgets-mib", nargs="+", type=int, default=[2048, 4096, 8192])
+    parser.add_argument("--syncs", action="store_true", help="control collectives and host syncs per layer")
     args = parser.parse_args()
-    results = {name: run_layout(name, args.steps, args.warmup) for name in args.layouts}
-    print(
-        f"\ndefault model and data, {args.steps} steps ({args.warmup} warm-up), global batch 2 rows x 512 tokens, "
-        f"{os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.1f}"
-    )
-    print(f"{'layout':<15}{'tokens/s':>10}{'step ms':>10}{'exchange ms':>13}{'exchange share':>16}")
-    for name, r in results.items():
-        print(
-            f"{name:<15}{r['tokens_per_s']:>10.0f}{1000 * r['median_step_s']:>10.1f}"
-            f"{r['median_exchange_ms']:>13.1f}{100 * r['exchange_share']:>15.1f}%"
-        )
+    print(f"{os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.1f}")
+    if args.scaling:
+        _scaling(args)
+    elif args.syncs:
+        _syncs(args)
+    else:
+        _throughput(args)
 
 
 if __name__ == "__main__":

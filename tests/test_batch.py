@@ -6,11 +6,13 @@ Rejected batches and meshes are rows of docs/bad_inputs.md (tests/faults/test_ba
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
 from nemo_automodel.components.distributed.blockdiag_cp import (
+    BlockdiagCpModelState,
     configure_cp_varlen,
     current_blockdiag_cp_state,
     make_cp_blockdiag_batch_and_ctx,
@@ -63,7 +65,7 @@ def test_padding_fills_and_layout_at_cp1():
     assert "attention_mask" not in out
     with ctx() as st:
         assert st.packed_cu_seqlens_cpu.tolist() == [0, 3, 5, 8]
-        assert current_blockdiag_cp_state() is st
+        assert current_blockdiag_cp_state() is st.model_view
 
 
 def test_caller_batch_is_not_modified():
@@ -80,7 +82,7 @@ def test_context_restores_previous_state_even_on_exception():
     with outer_ctx() as outer:
         with pytest.raises(RuntimeError), inner_ctx():
             raise RuntimeError("boom")
-        assert current_blockdiag_cp_state() is outer
+        assert current_blockdiag_cp_state() is outer.model_view
     assert current_blockdiag_cp_state() is None
 
 
@@ -88,7 +90,7 @@ def test_arguments_override_configured_knobs_in_the_snapshot():
     configure_cp_varlen(attn_backend="dense", kv_exchange="a2a")
     ctx, _, _ = make_cp_blockdiag_batch_and_ctx(None, None, _row([4], 4), kv_exchange="all_gather")
     with ctx() as st:
-        assert (st.attn_backend, st.kv_exchange) == ("dense", "allgather")
+        assert (st.options.attn_backend, st.options.kv_exchange) == ("dense", "allgather")
 
 
 def _shard_rows(lengths, total):
@@ -103,3 +105,40 @@ def test_rows_are_padded_and_sharded_contiguously_over_ranks(pools):
     assert merged["labels"][0].tolist() == list(range(9)) + [-100] * 3
     assert merged["_packed_seq_ids"][0].tolist() == [1] * 5 + [2] * 4 + [0] * 3
     assert [r[1].row_offset for r in results] == [0, 6]
+
+
+def _shard_primary_views(layout: str):
+    """``shard_primary=False``: the whole embeddings, sharded by the model from the view's positions."""
+    row = _row([7, 3, 9, 2], 21)
+    embeds = torch.randn(1, 21, 4, generator=torch.Generator().manual_seed(0))
+    row = {**{k: v for k, v in row.items() if k != "input_ids"}, "inputs_embeds": embeds}
+    _, sharded, _ = make_cp_blockdiag_batch_and_ctx(cp_mesh(), None, row, layout=layout)
+    ctx, whole, shard = make_cp_blockdiag_batch_and_ctx(cp_mesh(), None, row, layout=layout, shard_primary=False)
+    with ctx():
+        view = current_blockdiag_cp_state()
+        padded = torch.nn.functional.pad(whole["inputs_embeds"], (0, 0, 0, view.padded_seq_len - 21))
+        mine = padded.index_select(1, view.positions)
+    return (
+        whole["inputs_embeds"] is embeds,
+        torch.equal(mine, sharded["inputs_embeds"]),
+        torch.equal(whole["labels"], sharded["labels"]),
+        view.layout == shard.layout,
+    )
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "balanced"])
+def test_shard_primary_false_leaves_the_inputs_whole_and_the_view_says_which_rows_are_mine(pools, layout):
+    for untouched, same_rows, labels_sharded, same_layout in pools.get(2).run_ok(_shard_primary_views, layout):
+        assert untouched and same_rows and labels_sharded and same_layout
+
+
+def test_the_model_view_is_frozen_and_upstream_compatible():
+    ctx, _, _ = make_cp_blockdiag_batch_and_ctx(None, None, _row([3, 5], 8))
+    with ctx() as st:
+        view = current_blockdiag_cp_state()
+        assert isinstance(view, BlockdiagCpModelState) and view.group is None
+        assert view.packed_cu_seqlens_cpu.tolist() == [0, 3, 8] and view.packed_cu_seqlens.tolist() == [0, 3, 8]
+        assert (view.cp_rank, view.cp_size, view.local_len, view.padded_seq_len) == (0, 1, 8, 8)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            view.local_len = 4
+        assert view is st.model_view

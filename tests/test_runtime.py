@@ -13,13 +13,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from nemo_automodel.components.distributed.blockdiag_cp import (
+    CPOptions,
     configure_cp_varlen,
+    consensus,
     cp_blockdiag_sdpa,
     exchange_stats,
     kernels,
     make_cp_blockdiag_batch_and_ctx,
     runtime,
 )
+from nemo_automodel.components.distributed.blockdiag_cp.logs import reset_log_once
 from tests.cases import cp_mesh, layout
 from tests.reference import doc_ids_from_lengths
 
@@ -70,8 +73,9 @@ def test_step_snapshot_wins_over_module_config():
     )
     with ctx() as st:
         assert runtime._resolve_cp_varlen_config(st) == ("te", "allgather")
-        st.attn_backend = st.kv_exchange = None  # a manually built state without a snapshot
-        assert runtime._resolve_cp_varlen_config(st) == ("dense", "a2a")
+        configure_cp_varlen(kv_exchange="halo")  # a later default never reaches a built step
+        assert runtime._resolve_cp_varlen_config(st) == ("te", "allgather")
+    configure_cp_varlen(attn_backend="dense", kv_exchange="a2a")
     assert runtime._resolve_cp_varlen_config({"attn_backend": "fa2"}) == ("flash", "a2a")
     assert runtime._resolve_cp_varlen_config({}) == ("dense", "a2a")
 
@@ -145,7 +149,7 @@ def _local_qkv(shard, requires_grad=False):
 
 def _spans_nodes_under(env):
     with _env(**env), _captured(runtime.logger) as logs:
-        runtime._KV_XNODE_LOGGED = False
+        reset_log_once()
         first = runtime._cp_group_spans_nodes(dist.group.WORLD)
         second = runtime._cp_group_spans_nodes(dist.group.WORLD)
     warnings = [m for level, m in logs if level == logging.WARNING]
@@ -198,7 +202,6 @@ def _path_for(ids, env, knobs, broken_rank=None):
     [
         ({}, {"kv_exchange": "allgather"}, None, "allgather", "kv_exchange=allgather (configured)"),
         ({"LOCAL_WORLD_SIZE": "1"}, {"kv_exchange": "halo"}, None, "allgather", "CP group spans nodes"),
-        ({}, {"kv_exchange": "halo", "attn_backend": "dense"}, 1, "allgather", "rank(s) [1] cannot run dense"),
         ({}, {"kv_exchange": "halo"}, None, "halo", "left neighbour only"),
         ({}, {"kv_exchange": "a2a"}, None, "a2a", "kv_exchange=a2a (configured)"),
     ],
@@ -210,8 +213,15 @@ def test_every_downgrade_names_its_reason_on_every_rank(pools, env, knobs, broke
         assert (path, used_path) == (want_path, want_path)
         assert has_plan == (want_path != "allgather")
         assert needle in reason
-    if broken is not None:  # the broken rank ran sdpa_varlen instead, the other dense: same math
-        assert [r[4] for r in results] == ["dense", "sdpa_varlen"]
+
+
+def test_a_kernel_one_rank_cannot_run_makes_every_rank_raise_before_any_exchange(pools):
+    env = {"LOCAL_WORLD_SIZE": None, "NPROC_PER_NODE": None, "NEMO_CP_ALLOW_XNODE": None}
+    knobs = {"kv_exchange": "halo", "attn_backend": "dense"}
+    results = pools.get(2).run(_path_for, layout("straddle", 2), env, knobs, 1, timeout=60)
+    assert all(not r.ok and r.error_type == "RuntimeError" for r in results), [r.message for r in results]
+    assert all("disagree on resolved kernel" in r.message and "[[0], [1]]" in r.message for r in results)
+    pools.ensure_healthy(2)
 
 
 def test_halo_becomes_a2a_when_a_document_spans_three_ranks(pools):
@@ -259,11 +269,11 @@ def _counting_all_reduce_calls(layers):
     return len(calls), len(plans)
 
 
-def test_preflight_and_plan_are_computed_once_per_step(pools):
+def test_control_collectives_and_plan_do_not_grow_with_layers(pools):
     one = pools.get(2).run_ok(_counting_all_reduce_calls, 1)
     four = pools.get(2).run_ok(_counting_all_reduce_calls, 4)
-    # per step: one agreement check and one preflight; per layer: one kernel-status consensus
-    assert [c for c, _ in one] == [3, 3] and [c for c, _ in four] == [6, 6]
+    # per step: the agreement check and, when the context exits, the failure settlement; none per layer
+    assert [c for c, _ in one] == [2, 2] and [c for c, _ in four] == [2, 2]
     assert all(n_plans == 1 for _, n_plans in one + four)
 
 
@@ -327,7 +337,7 @@ def test_all_padding_rank_launches_no_kernel_but_joins_backward(pools):
 
 
 def _path_logs():
-    runtime._KV_EXCHANGE_PATH_LOGGED = False
+    reset_log_once()
     ctx, shard = _step(layout("straddle", 2), kv_exchange="halo")
     q, k, v = _local_qkv(shard)
     with _captured(runtime.logger) as logs, ctx():
@@ -392,3 +402,43 @@ def test_auto_exchange_picks_one_path_on_every_rank_and_logs_its_prediction(pool
     assert len({(path, reason) for path, reason, _ in results}) == 1
     path, reason, _ = results[0]
     assert path in ("allgather", "halo", "a2a") and "predicted" in reason
+
+
+def _fail_with_options(rank, options, settle):
+    """A forward kernel failure on ``rank``; returns where each rank raised (``None``: it did not)."""
+    ctx, shard = _step(layout("straddle", 2), options=options)
+    q, k, v = _local_qkv(shard, requires_grad=True)
+    fn = _boom if dist.get_rank() == rank else kernels.KERNELS["sdpa_varlen"].fn
+    raised = []
+    with _kernel("sdpa_varlen", fn=fn):
+        try:
+            with ctx(settle=settle) as st:
+                try:
+                    out = cp_blockdiag_sdpa(q, k, v, enable_gqa=True)
+                except RuntimeError as exc:
+                    raised.append(("call", str(exc)))
+                    raise
+                out.sum().backward()
+        except RuntimeError as exc:
+            if not raised:
+                raised.append(("exit", str(exc)))
+    if not settle:
+        try:
+            consensus.settle_step([st.failures], st.group, torch.device("cpu"))
+        except RuntimeError as exc:
+            raised.append(("settle_step", str(exc)))
+    return raised
+
+
+@pytest.mark.parametrize(
+    ("consensus_mode", "settle", "where"),
+    [("step", True, "exit"), ("call", True, "call"), ("step", False, "settle_step")],
+)
+def test_a_failure_is_raised_once_per_step_or_per_call_on_every_rank(pools, consensus_mode, settle, where):
+    options = CPOptions(attn_backend="sdpa_varlen", kv_exchange="halo", consensus=consensus_mode)
+    results = pools.get(2).run_ok(_fail_with_options, 1, options, settle, timeout=60)
+    for raised in results:
+        assert [w for w, _ in raised] == [where]
+        assert "forward failed on CP rank(s) [1] (CP rank 1: CP attention call 0)" in raised[0][1]
+    assert "injected kernel failure" in results[1][0][1] and "injected" not in results[0][0][1]
+    pools.ensure_healthy(2)

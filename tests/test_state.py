@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import threading
 
 import pytest
+import torch
 
-from nemo_automodel.components.distributed.blockdiag_cp import state
+from nemo_automodel.components.distributed.blockdiag_cp import (
+    cp_blockdiag_sdpa,
+    make_cp_blockdiag_batch_and_ctx,
+    state,
+)
 
 
 @pytest.mark.parametrize(
@@ -79,6 +86,7 @@ def test_configure_validates_before_changing_anything():
         "layout": "contiguous",
         "overlap": True,
         "check_finite": True,
+        "consensus": "step",
     }
     state.configure_cp_varlen(attn_backend="fa2", kv_exchange="neighbor", layout="zigzag", overlap=False)
     assert state.cp_varlen_runtime_config() == {
@@ -87,6 +95,7 @@ def test_configure_validates_before_changing_anything():
         "layout": "balanced",
         "overlap": False,
         "check_finite": True,
+        "consensus": "step",
     }
     state.configure_cp_varlen()
     assert state.cp_varlen_runtime_config() == {
@@ -95,6 +104,7 @@ def test_configure_validates_before_changing_anything():
         "layout": "contiguous",
         "overlap": True,
         "check_finite": True,
+        "consensus": "step",
     }
 
 
@@ -113,10 +123,46 @@ def test_step_slot_is_visible_from_other_threads_and_restores_nested_values():
     assert slot.get() is None
 
 
-def test_fire_counter_counts_and_resets():
+def test_fire_count_spans_steps_until_reset_and_lives_on_the_step():
+    ctx, _, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"input_ids": torch.ones(1, 8, dtype=torch.long)})
+    q = torch.randn(1, 2, 8, 4)
     state.reset_cp_attn_fire_count()
-    for _ in range(3):
-        state.record_cp_attn_call()
-    assert state.cp_attn_fire_count() == 3
-    state.reset_cp_attn_fire_count()
-    assert state.cp_attn_fire_count() == 0
+    with ctx() as st:
+        for _ in range(3):
+            cp_blockdiag_sdpa(q, q, q)
+        assert state.cp_attn_fire_count() == 3 and st.stats.calls == 3
+    with ctx():
+        cp_blockdiag_sdpa(q, q, q)
+        assert state.cp_attn_fire_count() == 4
+        state.reset_cp_attn_fire_count()
+        assert state.cp_attn_fire_count() == 0
+        cp_blockdiag_sdpa(q, q, q)
+    assert state.cp_attn_fire_count() == 1 and st.stats.calls == 5
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"overlap": "yes"}, "overlap: expected True or False, got 'yes'"),
+        ({"check_finite": 1}, "check_finite: expected True or False, got 1"),
+        ({"consensus": "often"}, "Unknown consensus 'often'"),
+        ({"kv_exchange": "ring"}, "Unknown kv_exchange 'ring'"),
+        ({"attn_shape": (8, 4, 64)}, "attn_shape: expected blockdiag_cp.cost.Shape"),
+    ],
+)
+def test_options_validate_every_field(changes, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        state.CPOptions(**changes)
+
+
+def test_options_are_frozen_and_canonical():
+    options = state.CPOptions(attn_backend="fa2", kv_exchange="neighbor", layout="zigzag", consensus="per_call")
+    assert (options.attn_backend, options.kv_exchange, options.layout, options.consensus) == (
+        "flash",
+        "halo",
+        "balanced",
+        "call",
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.layout = "contiguous"
+    assert options.replace(layout="contiguous").layout == "contiguous" and options.layout == "balanced"

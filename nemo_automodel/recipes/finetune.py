@@ -26,7 +26,6 @@ from nemo_automodel.components.config.checks import check_paths
 from nemo_automodel.components.config.schema import FinetuneConfig, to_finetune_config, to_plain_dict
 from nemo_automodel.components.datasets.loader import RowSchedule, build_packed_dataset
 from nemo_automodel.components.datasets.tokenizer import HFTokenizer, build_tokenizer
-from nemo_automodel.components.distributed.blockdiag_cp import configure_cp_varlen
 from nemo_automodel.components.distributed.parallel import (
     Topology,
     build_meshes,
@@ -48,7 +47,13 @@ from nemo_automodel.components.training.preemption import (
     write_preempted_marker,
 )
 from nemo_automodel.components.training.rng import seed_everything
-from nemo_automodel.components.training.step import StepSetup, attention_shape, bf16_autocast, train_step
+from nemo_automodel.components.training.step import (
+    StepSetup,
+    attention_shape,
+    bf16_autocast,
+    cp_options,
+    train_step,
+)
 
 logger = logging.getLogger("nemo_automodel.finetune")
 
@@ -104,14 +109,6 @@ def train(config: FinetuneConfig, run_dir: Path, topology: Topology, device: tor
     configure_logging(topology.rank)
     trainer = config.trainer
     seed_everything(trainer.seed)
-    # Process-wide CP settings (overlap applies to every step); each step's batch builder also
-    # snapshots the knobs into its step state, so the training path never reads these globals.
-    configure_cp_varlen(
-        attn_backend=config.cp.attn_backend,
-        kv_exchange=config.cp.kv_exchange,
-        layout=config.cp.layout,
-        overlap=config.cp.overlap,
-    )
     meshes = build_meshes(topology, device, config.dist.pg_timeout_s)
     if topology.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -147,7 +144,8 @@ def train(config: FinetuneConfig, run_dir: Path, topology: Topology, device: tor
         grad_clip=config.optim.grad_clip,
         bf16=trainer.bf16,
         on_nonfinite=trainer.on_nonfinite,
-        attn_shape=attention_shape(hf_config, bf16_autocast(trainer.bf16, device)),
+        # the step's frozen CP options: every batch builder snapshots them (no process-wide knobs)
+        options=cp_options(config.cp, attention_shape(hf_config, bf16_autocast(trainer.bf16, device))),
     )
     writer = MetricsWriter(run_dir, topology.is_main, start_step, trainer.max_steps, trainer.log_every)
     preemption = PreemptionFlag().install()
@@ -156,7 +154,10 @@ def train(config: FinetuneConfig, run_dir: Path, topology: Topology, device: tor
             rows = [dataset.row(schedule.row_index(step, m, topology.dp_rank)) for m in range(trainer.grad_accum)]
             lr = scheduler.get_last_lr()[0]
             began = time.perf_counter()
-            result = train_step(model, optimizer, scheduler, rows, setup, step + 1, check_cp=step == start_step)
+            preempt = preemption.signal_name is not None  # agreed over every rank in the step's all-reduce
+            result = train_step(
+                model, optimizer, scheduler, rows, setup, step + 1, check_cp=step == start_step, preempt=preempt
+            )
             elapsed = time.perf_counter() - began
             writer.log(
                 StepMetrics(
@@ -173,7 +174,7 @@ def train(config: FinetuneConfig, run_dir: Path, topology: Topology, device: tor
                 )
             )
             done = step + 1
-            if done < trainer.max_steps and preemption.agreed(setup.reduce_group, device):
+            if done < trainer.max_steps and result.preempted:
                 path = save(done)
                 if topology.is_main:
                     write_preempted_marker(run_dir, done, path, preemption.signal_name)

@@ -27,13 +27,13 @@ from nemo_automodel.components.config.schema import ModelConfig, register_schema
 from nemo_automodel.components.datasets.jsonl import jsonl_documents
 from nemo_automodel.components.datasets.packing import pack_documents
 from nemo_automodel.components.distributed.blockdiag_cp import (
+    CPOptions,
     attach_cp1_packed_varlen_hooks,
     configure_cp_varlen,
     cost,
     cp_blockdiag_sdpa,
     make_cp_blockdiag_batch_and_ctx,
     plan,
-    reset_cp_attn_fire_count,
 )
 from nemo_automodel.components.distributed.blockdiag_cp.layout import doc_runs_from_lengths, make_shard_plan
 from nemo_automodel.components.distributed.parallel import resolve_topology
@@ -96,6 +96,10 @@ BATCH: dict[str, Callable[[], Any]] = {
     "knob-kv-exchange": lambda: _build(_row(), kv_exchange="ring"),
     "knob-layout": lambda: _build(_row(), layout="spiral"),
     "knob-configure": lambda: configure_cp_varlen(kv_exchange="ring"),
+    "options-and-knobs": lambda: _build(_row(), options=CPOptions(), kv_exchange="a2a"),
+    "options-type": lambda: _build(_row(), options={"kv_exchange": "a2a"}),
+    "options-overlap": lambda: CPOptions(overlap="yes"),
+    "options-consensus": lambda: CPOptions(consensus="often"),
 }
 
 
@@ -231,9 +235,10 @@ def _small_vocabulary_model() -> None:
 
 
 def _attention_never_reached() -> None:
-    reset_cp_attn_fire_count()
     setup = SimpleNamespace(meshes=SimpleNamespace(cp=SimpleNamespace(size=lambda: 2)), attention="patch_sdpa")
-    _check_cp_reached_attention(setup)
+    ctx, _, _ = make_cp_blockdiag_batch_and_ctx(None, None, _row())
+    with ctx() as state:  # a forward ran, but the model's attention never called CP attention
+        _check_cp_reached_attention(setup, state)
 
 
 POSITIVE_FIELDS = (
@@ -263,6 +268,7 @@ RECIPE: dict[str, Callable[[], Any]] = {
     "config-cp-attn-backend": _values("+cp=blockdiag", "cp.attn_backend=cudnn"),
     "config-cp-layout": _values("+cp=blockdiag", "cp.layout=spiral"),
     "config-cp-size": _values("+cp=blockdiag", "cp.size=0"),
+    "config-cp-consensus": _values("+cp=blockdiag", "cp.consensus=often"),
     "config-seq-len-cp": _values("+cp=blockdiag", "data.seq_len=3"),
     "config-seq-len-min": _values("data.seq_len=1"),
     "config-seq-len-positions": _values("data.seq_len=8192"),

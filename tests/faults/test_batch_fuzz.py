@@ -129,7 +129,7 @@ def _shard_problems(batch: dict[str, Any], out: dict[str, Any], shard: Any, ctx:
     if "extra" in batch and out["extra"] is not batch["extra"]:
         problems.append("a non-sequence field was not passed through unchanged")
     with ctx() as state:
-        if state.local_len != shard.local_len or current_blockdiag_cp_state() is not state:
+        if state.local_len != shard.local_len or current_blockdiag_cp_state() is not state.model_view:
             problems.append("the step context does not hold the built state")
     if current_blockdiag_cp_state() is not None:
         problems.append("state left active after the context")

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from nemo_automodel.components.distributed.blockdiag_cp.state import (
     normalize_attn_backend,
+    normalize_consensus,
     normalize_kv_exchange,
     normalize_layout,
 )
@@ -213,6 +214,9 @@ class CPConfig:
         kv_exchange: K/V exchange, any spelling :func:`normalize_kv_exchange` accepts (stored canonical).
         layout: How tokens are placed on ranks, any spelling :func:`normalize_layout` accepts.
         overlap: Attend local-key documents while the K/V exchange is in flight.
+        consensus: When kernel failures are agreed on: ``step`` (once per step, in the step's
+            all-reduce: no collective or host sync per layer) or ``call`` (after every CP attention
+            call and direction: names the failing call at once; for debugging).
     """
 
     size: int = 1
@@ -220,6 +224,7 @@ class CPConfig:
     kv_exchange: str = "auto"
     layout: str = "auto"
     overlap: bool = True
+    consensus: str = "step"
 
     def __post_init__(self) -> None:
         _require_positive("cp.size", self.size)
@@ -227,6 +232,7 @@ class CPConfig:
             self.attn_backend = normalize_attn_backend(self.attn_backend)
             self.kv_exchange = normalize_kv_exchange(self.kv_exchange)
             self.layout = normalize_layout(self.layout)
+            self.consensus = normalize_consensus(self.consensus)
         except ValueError as exc:
             raise ValueError(f"cp: {exc}") from None
 

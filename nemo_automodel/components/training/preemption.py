@@ -9,7 +9,7 @@ The contract (also in the README):
 - anything else: a failure.
 
 Signals may reach ranks at different times (or only some ranks), so every step all
-ranks agree on "stop now" with one MAX all-reduce and stop after the same step.
+ranks agree on "stop now" (a flag in the step's one all-reduce) and stop after the same step.
 """
 
 from __future__ import annotations
@@ -19,9 +19,6 @@ import signal
 import threading
 from pathlib import Path
 from types import FrameType
-
-import torch
-import torch.distributed as dist
 
 EXIT_PREEMPTED = 75
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -49,12 +46,6 @@ class PreemptionFlag:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
-
-    def agreed(self, group: dist.ProcessGroup | None, device: torch.device) -> bool:
-        """Collective: True on every rank when any rank has seen a signal."""
-        flag = torch.tensor([1 if self.signal_name else 0], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag.item())
 
 
 def write_preempted_marker(run_dir: Path, step: int, checkpoint: Path, signal_name: str | None) -> None:

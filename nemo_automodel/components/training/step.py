@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -14,18 +14,18 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from nemo_automodel.components.config.schema import CPConfig
+from nemo_automodel.components.datasets.packing import IGNORE_INDEX
 from nemo_automodel.components.distributed.blockdiag_cp import (
+    CPOptions,
     cost,
-    cp_attn_fire_count,
-    exchange_stats,
     make_cp_blockdiag_batch_and_ctx,
     nonfinite_attention_inputs,
-    reset_cp_attn_fire_count,
 )
+from nemo_automodel.components.distributed.blockdiag_cp.consensus import diagnostics, failure_message, failure_row
 from nemo_automodel.components.distributed.blockdiag_cp.state import StepState
 from nemo_automodel.components.distributed.parallel import Meshes
 from nemo_automodel.components.models.cp_attention import attention_scope
-from nemo_automodel.components.training.loss import global_label_count, token_ce_sum
+from nemo_automodel.components.training.loss import token_ce_sum
 
 logger = logging.getLogger("nemo_automodel.finetune")
 
@@ -43,7 +43,7 @@ class StepSetup:
         grad_clip: Max global grad norm (``0``: no clipping; the norm is still reported).
         bf16: bf16 autocast (applied on CUDA only).
         on_nonfinite: ``stop`` or ``skip`` a step with NaN/Inf (``trainer.on_nonfinite``).
-        attn_shape: The model's attention shape, for ``cp.layout=auto``'s cost model.
+        options: The CP options every step snapshots (:func:`cp_options`).
     """
 
     meshes: Meshes
@@ -54,7 +54,7 @@ class StepSetup:
     grad_clip: float
     bf16: bool
     on_nonfinite: str = "stop"
-    attn_shape: cost.Shape | None = None
+    options: CPOptions = field(default_factory=CPOptions)
 
     @property
     def autocast_bf16(self) -> bool:
@@ -76,6 +76,9 @@ class StepResult:
         kv_path: K/V exchange of the step's last CP attention call (``None`` at ``cp = 1``).
         kv_tokens_received: K/V tokens that call received, summed over all ranks.
         skipped: The step saw NaN/Inf (``trainer.on_nonfinite=skip``): no optimizer update.
+        preempted: Some rank saw a preemption signal (every rank stops after this step).
+        exchange_wait_s: Seconds this rank blocked on K/V exchanges, forward and backward (what
+            overlap did not hide, plus waits for slower peers).
     """
 
     loss: float
@@ -84,6 +87,8 @@ class StepResult:
     kv_path: str | None
     kv_tokens_received: int
     skipped: bool = False
+    preempted: bool = False
+    exchange_wait_s: float = 0.0
 
 
 class NonFiniteStepError(RuntimeError):
@@ -103,18 +108,23 @@ def attention_shape(hf_config: Any, half_precision: bool) -> cost.Shape:
     return cost.Shape(heads, kv_heads, head_dim, 2 if half_precision else 4)
 
 
+def cp_options(cp: CPConfig, attn_shape: cost.Shape | None) -> CPOptions:
+    """The recipe's CP knobs as the core's frozen options (built once per run, snapshotted into every step)."""
+    return CPOptions(
+        attn_backend=cp.attn_backend,
+        kv_exchange=cp.kv_exchange,
+        layout=cp.layout,
+        overlap=cp.overlap,
+        attn_shape=attn_shape,
+        consensus=cp.consensus,
+    )
+
+
 def _shard(setup: StepSetup, row: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:
     """This rank's CP slice of one packed row and its step context."""
     row = {k: v.to(setup.device) for k, v in row.items()}
     train_ctx, local, _ = make_cp_blockdiag_batch_and_ctx(
-        setup.meshes.cp,
-        None,
-        row,
-        padding_token_id=setup.pad_id,
-        attn_backend=setup.cp.attn_backend,
-        kv_exchange=setup.cp.kv_exchange,
-        layout=setup.cp.layout,
-        attn_shape=setup.attn_shape,
+        setup.meshes.cp, None, row, padding_token_id=setup.pad_id, options=setup.options
     )
     return train_ctx, local
 
@@ -123,9 +133,9 @@ def _autocast(setup: StepSetup) -> contextlib.AbstractContextManager[None]:
     return torch.autocast(setup.device.type, dtype=torch.bfloat16, enabled=setup.autocast_bf16)
 
 
-def _check_cp_reached_attention(setup: StepSetup) -> None:
+def _check_cp_reached_attention(setup: StepSetup, state: StepState) -> None:
     """After the first CP forward: fail on every rank if the model's attention never called CP attention."""
-    if setup.meshes.cp.size() > 1 and cp_attn_fire_count() == 0:
+    if setup.meshes.cp.size() > 1 and state.stats.calls == 0:
         raise RuntimeError(
             f"cp.size={setup.meshes.cp.size()} but the model's attention never reached block-diagonal CP "
             f"(model.attention={setup.attention}): each rank attended only to its own shard. Use "
@@ -141,6 +151,13 @@ def _grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
     return float(norm)
+
+
+def _scale_grads(model: torch.nn.Module, factor: float) -> None:
+    """Multiply every gradient by ``factor`` (sharded gradients in place: no communication)."""
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.mul_(factor)
 
 
 def _nonfinite_report(
@@ -169,8 +186,66 @@ def _nonfinite_report(
 
 
 def _attention_lines(states: list[StepState]) -> list[str]:
-    """This rank's non-finite CP attention calls per micro-batch (one host sync per micro-batch, after backward)."""
+    """This rank's non-finite CP attention calls per micro-batch (host syncs: called only when a rank saw some)."""
     return [f"micro-batch {i}: {line}" for i, st in enumerate(states) for line in nonfinite_attention_inputs(st)]
+
+
+def _attention_inputs_nonfinite(states: list[StepState], device: torch.device) -> torch.Tensor:
+    """Device scalar: did any CP attention call of these micro-batches see NaN/Inf in q/k/v (no host sync)."""
+    flags = [flag for st in states for flag in st.cache.finite]
+    if not flags:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return (~torch.stack(flags).all()).double()
+
+
+# The step's one control all-reduce: these global sums, then PER_RANK columns for every rank of dp x cp.
+_SUMS = ("ce_sum", "tokens", "label_tokens", "kv_tokens_received", "preempt")
+_PER_RANK = ("attention_nonfinite", "loss_nonfinite", "failed_micro_batch", "failed_forward", "failed_backward")
+
+
+@dataclass(frozen=True)
+class _Totals:
+    """The step's all-reduced values (the same on every rank)."""
+
+    sums: dict[str, float]
+    per_rank: list[list[float]]  # [world][len(_PER_RANK)]
+
+    def column(self, name: str) -> list[float]:
+        return [row[_PER_RANK.index(name)] for row in self.per_rank]
+
+
+def _step_totals(
+    setup: StepSetup,
+    sums: dict[str, torch.Tensor | float],
+    states: list[StepState],
+    ce_sum: torch.Tensor,
+) -> _Totals:
+    """One all-reduce over ``dp x cp``: loss, tokens, label tokens, K/V, preemption, every rank's flags and failures."""
+    group = setup.reduce_group
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    device = setup.device
+    own = torch.zeros(world, len(_PER_RANK), dtype=torch.float64, device=device)
+    own[rank, 0] = _attention_inputs_nonfinite(states, device)
+    own[rank, 1] = (~ce_sum.isfinite()).double()
+    own[rank, 2:] = torch.tensor(failure_row([st.failures for st in states]), dtype=torch.float64, device=device)
+    head = torch.stack([torch.as_tensor(sums[name], dtype=torch.float64, device=device) for name in _SUMS])
+    totals = torch.cat([head, own.flatten()])
+    dist.all_reduce(totals, group=group)
+    values = totals.tolist()  # the step's one host sync for its totals
+    return _Totals(
+        dict(zip(_SUMS, values)), [values[len(_SUMS) + r * len(_PER_RANK) :][: len(_PER_RANK)] for r in range(world)]
+    )
+
+
+def _raise_on_kernel_failures(setup: StepSetup, totals: _Totals, states: list[StepState]) -> None:
+    """Every rank raises, before the optimizer touches the weights, when a CP kernel failed on any rank."""
+    rows = [[int(v) for v in row[2:]] for row in totals.per_rank]
+    cp = setup.meshes.cp.size()
+    message = failure_message(
+        rows, lambda r: f"rank {r} (cp rank {r % cp})", diagnostics([st.failures for st in states])
+    )
+    if message is not None:
+        raise RuntimeError(message)
 
 
 def train_step(
@@ -181,58 +256,61 @@ def train_step(
     setup: StepSetup,
     step: int,
     check_cp: bool = False,
+    preempt: bool = False,
 ) -> StepResult:
-    """Forward/backward every row (one micro-batch each), then clip and step.
+    """Forward/backward every row (one micro-batch each), then one all-reduce, then clip and step.
 
-    Each micro-batch loss is its CE sum divided by the label-token count of the
-    whole step on all ``dp x cp`` ranks; FSDP2 SUM-reduces gradients on the last
-    micro-batch, so the update equals the ``cp = 1`` update on the same rows.
-    Before the update every rank learns, in the same all-reduce as the step's
-    totals, whether any rank saw NaN/Inf in its CP attention inputs or its loss;
-    with the global gradient norm that decides ``setup.on_nonfinite``.
+    Each micro-batch's backward starts from its CE *sum*; FSDP2 SUM-reduces
+    gradients on the last micro-batch; after the step's single control
+    all-reduce every gradient is divided by the global label-token count, so
+    the update equals the ``cp = 1`` update on the same rows (mean CE over all
+    label tokens). That all-reduce also carries the token counts, the K/V
+    received, the preemption flag, whether any rank saw NaN/Inf in its CP
+    attention inputs or its loss, and every rank's CP kernel failures: a failure
+    anywhere makes every rank raise before the optimizer touches the weights.
 
     Args:
         rows: This dp rank's packed rows, each ``{input_ids, labels, position_ids, _packed_seq_ids}`` ``[1, S]``.
         step: The 1-based step, for messages.
         check_cp: Verify after the first forward that attention went through CP (first step of a run).
+        preempt: This rank saw a preemption signal (agreed over all ranks in the step's all-reduce).
 
     Raises:
         NonFiniteStepError: on every rank, with ``on_nonfinite=stop`` and NaN/Inf anywhere.
+        RuntimeError: on every rank, when a CP attention kernel failed on any rank.
     """
-    if check_cp:
-        reset_cp_attn_fire_count()
     shards = [_shard(setup, row) for row in rows]
-    # clamp: a step whose rows hold only one-token documents has no label (its loss is 0, not NaN)
-    total_labels = global_label_count([local["labels"] for _, local in shards], setup.reduce_group).clamp(min=1)
     ce_sum = torch.zeros((), dtype=torch.float64, device=setup.device)
     tokens = torch.zeros((), dtype=torch.int64, device=setup.device)
+    label_tokens = torch.zeros((), dtype=torch.int64, device=setup.device)
     states: list[StepState] = []
     for i, (train_ctx, local) in enumerate(shards):
         if isinstance(model, FSDPModule):
             model.set_requires_gradient_sync(i == len(shards) - 1)  # reduce once, after the last micro-batch
-        with train_ctx() as state, attention_scope(setup.attention):
+        # settle=False: kernel failures are settled below, in the step's one all-reduce
+        with train_ctx(settle=False) as state, attention_scope(setup.attention):
             with _autocast(setup):
                 logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
             if check_cp and i == 0:
-                _check_cp_reached_attention(setup)
+                _check_cp_reached_attention(setup, state)
             micro_ce = token_ce_sum(logits, local["labels"])
-            (micro_ce / total_labels).backward()  # keep the CP context open: recompute reads it
+            micro_ce.backward()  # keep the CP context open: recompute reads it
         states.append(state)
         ce_sum += micro_ce.detach().double()
         tokens += (~local["padding_mask"]).sum()
+        label_tokens += (local["labels"] != IGNORE_INDEX).sum()
+    kv = states[-1].stats.kv_tokens_received if setup.meshes.cp.size() > 1 else 0
+    sums = {"ce_sum": ce_sum, "tokens": tokens, "label_tokens": label_tokens, "kv_tokens_received": kv}
+    totals = _step_totals(setup, {**sums, "preempt": float(preempt)}, states, ce_sum)
+    _raise_on_kernel_failures(setup, totals, states)
+    # clamp: a step whose rows hold only one-token documents has no label (its loss is 0, not NaN)
+    total_labels = max(totals.sums["label_tokens"], 1.0)
+    _scale_grads(model, 1.0 / total_labels)
     grad_norm = _grad_norm(model, setup.grad_clip)
-    stats = exchange_stats() if setup.meshes.cp.size() > 1 else None
-    kv_received = float(stats["kv_tokens_received"]) if stats else 0.0
-    own_attention = _attention_lines(states)
     group = setup.reduce_group
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    flags = torch.zeros(world, 2, dtype=torch.float64, device=setup.device)
-    flags[rank, 0] = float(bool(own_attention))
-    flags[rank, 1] = (~ce_sum.isfinite()).double()
-    kv = torch.tensor([kv_received], dtype=torch.float64, device=setup.device)
-    totals = torch.cat([ce_sum[None], tokens.double()[None], kv, flags.flatten()])
-    dist.all_reduce(totals, group=group)  # one tiny all-reduce: step totals and every rank's non-finite flags
-    report = _nonfinite_report(step, totals[3:].view(world, 2).tolist(), grad_norm, own_attention, rank)
+    flags = [[a, b] for a, b in zip(totals.column("attention_nonfinite"), totals.column("loss_nonfinite"))]
+    own_attention = _attention_lines(states) if flags[dist.get_rank(group)][0] else []
+    report = _nonfinite_report(step, flags, grad_norm, own_attention, dist.get_rank(group))
     if report is not None and setup.on_nonfinite == "stop":
         raise NonFiniteStepError(f"{report}; trainer.on_nonfinite=stop (set trainer.on_nonfinite=skip to skip it)")
     if report is not None:
@@ -242,10 +320,12 @@ def train_step(
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(
-        loss=float(totals[0] / total_labels),
+        loss=totals.sums["ce_sum"] / total_labels,
         grad_norm=grad_norm,
-        tokens=int(totals[1]),
-        kv_path=stats["path"] if stats else None,
-        kv_tokens_received=int(totals[2]),
+        tokens=int(totals.sums["tokens"]),
+        kv_path=states[-1].stats.path if setup.meshes.cp.size() > 1 else None,
+        kv_tokens_received=int(totals.sums["kv_tokens_received"]),
         skipped=report is not None,
+        preempted=totals.sums["preempt"] > 0,
+        exchange_wait_s=sum(st.stats.exchange_wait_s + st.stats.exchange_backward_wait_s for st in states),
     )

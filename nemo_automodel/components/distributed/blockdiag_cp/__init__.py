@@ -33,6 +33,8 @@ from nemo_automodel.components.distributed.blockdiag_cp.runtime import (
     reset_exchange_stats,
 )
 from nemo_automodel.components.distributed.blockdiag_cp.state import (
+    BlockdiagCpModelState,
+    CPOptions,
     configure_cp_varlen,
     cp_attn_fire_count,
     cp_varlen_runtime_config,
@@ -41,6 +43,8 @@ from nemo_automodel.components.distributed.blockdiag_cp.state import (
 )
 
 __all__ = [
+    "BlockdiagCpModelState",
+    "CPOptions",
     "ShardLayout",
     "attach_cp1_packed_varlen_hooks",
     "configure_cp_varlen",

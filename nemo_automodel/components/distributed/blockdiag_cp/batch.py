@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from nemo_automodel.components.distributed.blockdiag_cp import cost
+from nemo_automodel.components.distributed.blockdiag_cp import consensus, cost
 from nemo_automodel.components.distributed.blockdiag_cp import state as state_module
 from nemo_automodel.components.distributed.blockdiag_cp.kernels import (
     plan_attention_groups,
@@ -181,6 +181,25 @@ def _cp_group(cp_mesh: DeviceMesh | None) -> tuple[dist.ProcessGroup | None, int
     return group, world, cp_mesh.get_local_rank()
 
 
+def _step_options(options: state_module.CPOptions | None, knobs: dict[str, Any]) -> state_module.CPOptions:
+    """The step's options: ``options``, else the process default with the knob arguments applied.
+
+    Raises:
+        ValueError: when both ``options`` and knob arguments are given (which should win is ambiguous).
+    """
+    given = {name: value for name, value in knobs.items() if value is not None}
+    if options is not None:
+        if not isinstance(options, state_module.CPOptions):
+            raise ValueError(f"options: expected blockdiag_cp.CPOptions or None, got {type(options).__name__}")
+        if given:
+            raise ValueError(
+                f"pass the knobs either in options= or as arguments, not both (got options= and "
+                f"{', '.join(f'{k}=' for k in sorted(given))}); set them on the CPOptions: options.replace(...)"
+            )
+        return options
+    return state_module.default_options().replace(**given) if given else state_module.default_options()
+
+
 def make_cp_blockdiag_batch_and_ctx(
     cp_mesh: DeviceMesh | None,
     tp_mesh: DeviceMesh | None,
@@ -188,11 +207,13 @@ def make_cp_blockdiag_batch_and_ctx(
     *,
     loss_mask: torch.Tensor | None = None,
     padding_token_id: int = 0,
+    shard_primary: bool = True,
+    options: state_module.CPOptions | None = None,
     attn_backend: str | None = None,
     kv_exchange: str | None = None,
     layout: str | None = None,
     attn_shape: cost.Shape | None = None,
-) -> tuple[Callable[[], contextlib.AbstractContextManager[StepState]], dict[str, Any], ShardLayout]:
+) -> tuple[Callable[..., contextlib.AbstractContextManager[StepState]], dict[str, Any], ShardLayout]:
     """Validate, pad and shard one packed batch, and build its step context.
 
     Everything is validated before anything is built, so a bad batch raises a
@@ -207,36 +228,34 @@ def make_cp_blockdiag_batch_and_ctx(
             ``_packed_seq_ids [1, S]`` (1-based per token, 0 = padding) or ``attention_mask``.
         loss_mask: Optional per-token loss weights ``[1, S]`` (stored as ``batch["loss_mask"]``).
         padding_token_id: Fill for padded ``input_ids``.
-        attn_backend: Kernel for this step (``None``: the configured value).
-        kv_exchange: Exchange for this step (``None``: the configured value).
-        layout: ``contiguous``, ``balanced`` or ``auto`` (``None``: the configured value).
-            The balanced layout reorders whole documents (and zig-zag splits a few)
-            so every rank does the same attention work; every sequence-aligned field
-            is permuted with its tokens, so position ids, labels and loss weights
-            stay with them. ``auto`` picks per step with the cost model.
+        shard_primary: ``False`` leaves ``input_ids`` / ``inputs_embeds`` whole (unpadded, original
+            order) for models that embed inputs inside ``forward`` and shard the embeddings
+            themselves (``current_blockdiag_cp_state().positions`` says which rows are this
+            rank's, ``padded_seq_len`` how far to pad); every other sequence-aligned field is sharded.
+        options: The step's knobs (:class:`~.state.CPOptions`; ``None``: the process default
+            of ``configure_cp_varlen`` with the knob arguments below applied).
+        attn_backend: Kernel for this step (``None``: from ``options`` / the default).
+        kv_exchange: Exchange for this step.
+        layout: ``contiguous``, ``balanced`` or ``auto``. The balanced layout reorders whole
+            documents (and zig-zag splits a few) so every rank does the same attention work;
+            every sequence-aligned field is permuted with its tokens, so position ids, labels and
+            loss weights stay with them. ``auto`` picks per step with the cost model.
         attn_shape: The model's attention shape for ``layout=auto``'s cost model
-            (``cost.Shape(heads, kv_heads, head_dim, elem_bytes)``; ``None``: a
-            generic 8 x 128 bf16 shape). The layout is chosen here, before any
-            attention call shows the real shape.
+            (``cost.Shape(heads, kv_heads, head_dim, elem_bytes)``; ``None``: a generic 8 x 128
+            bf16 shape). The layout is chosen here, before any attention call shows the real shape.
 
     Returns:
-        ``(train_ctx, batch, layout)``: ``train_ctx()`` is a context manager that
-        activates the step state for forward *and* backward (wrap both) and
-        restores the previous state on exit; ``batch`` is a new dict holding this
-        rank's rows (``attention_mask`` dropped, ``padding_mask`` added, True = pad);
-        ``layout`` records the original and padded lengths.
+        ``(train_ctx, batch, layout)``: ``train_ctx()`` is a context manager that activates the
+        step state for forward *and* backward (wrap both) and restores the previous state on
+        exit. On a normal exit it settles the step's kernel failures (one all-reduce over the CP
+        group: every rank raises if a kernel failed on any rank); ``train_ctx(settle=False)``
+        leaves that to the caller, who must call ``consensus.settle_step`` (or fold the state's
+        failure row into its own step all-reduce, as the recipe does) before updating weights.
+        ``batch`` is a new dict holding this rank's rows (``attention_mask`` dropped,
+        ``padding_mask`` added, True = pad); ``layout`` records the original and padded lengths.
     """
-    configured = state_module.cp_varlen_runtime_config()
-    backend = state_module.normalize_attn_backend(
-        attn_backend if attn_backend is not None else configured["attn_backend"]
-    )
-    kv_mode = state_module.normalize_kv_exchange(kv_exchange if kv_exchange is not None else configured["kv_exchange"])
-    layout_name = state_module.normalize_layout(layout if layout is not None else configured["layout"])
-    if attn_shape is not None and not isinstance(attn_shape, cost.Shape):
-        raise ValueError(
-            f"attn_shape: expected blockdiag_cp.cost.Shape(heads, kv_heads, head_dim, elem_bytes) or None, "
-            f"got {type(attn_shape).__name__}"
-        )
+    knobs = {"attn_backend": attn_backend, "kv_exchange": kv_exchange, "layout": layout, "attn_shape": attn_shape}
+    step_options = _step_options(options, knobs)
     group, world, rank = _cp_group(cp_mesh)
 
     if ("input_ids" in batch) == ("inputs_embeds" in batch):
@@ -262,10 +281,12 @@ def make_cp_blockdiag_batch_and_ctx(
         fields["loss_mask"] = loss_mask
     for name, tensor in fields.items():
         _check_seq_field(name, tensor, batch_size, seq_len)
+    if not shard_primary:
+        del fields[primary_field]
 
     pad_len = (-seq_len) % (2 * world)
     padded_len = seq_len + pad_len
-    plan = _shard_plan(runs.padded_to(padded_len), world, layout_name, device, configured["overlap"], attn_shape)
+    plan = _shard_plan(runs.padded_to(padded_len), world, step_options, device)
     local_len = plan.local_len
     row_offset = rank * local_len
     positions = plan.permutation[row_offset : row_offset + local_len]
@@ -275,22 +296,25 @@ def make_cp_blockdiag_batch_and_ctx(
         out[name] = _pad_and_shard(
             name, tensor, pad_len, fills.get(name, 0), row_offset, local_len, None if plan.is_identity else positions
         )
-    step_state = _build_step_state(group, rank, doc_ids, plan, device, backend, kv_mode)
-    step_state.overlap, step_state.check_finite = configured["overlap"], configured["check_finite"]
+    step_state = _build_step_state(group, rank, doc_ids, plan, device, step_options)
 
-    def train_ctx() -> contextlib.AbstractContextManager[StepState]:
-        return state_module.activate_step_state(step_state)
+    @contextlib.contextmanager
+    def train_ctx(settle: bool = True) -> Iterator[StepState]:
+        with state_module.activate_step_state(step_state):
+            yield step_state
+        # Only on a normal exit: after an exception peers may be anywhere, and a collective here could hang.
+        if settle:
+            consensus.settle_step([step_state.failures], group, device)
 
     return train_ctx, out, ShardLayout(seq_len, padded_len, world, rank, row_offset, local_len, plan.layout, positions)
 
 
-def _shard_plan(
-    runs: DocRuns, cp: int, layout: str, device: torch.device, overlap: bool, shape: cost.Shape | None
-) -> ShardPlan:
-    """The step's shard plan; ``auto`` asks the cost model (``shape`` or a generic one, the device's machine)."""
-    if layout != "auto":
-        return make_shard_plan(runs, cp, layout)
-    return cost.choose_layout(runs, cp, shape or cost.Shape(), cost.machine_for(device), overlap)
+def _shard_plan(runs: DocRuns, cp: int, options: state_module.CPOptions, device: torch.device) -> ShardPlan:
+    """The step's shard plan; ``auto`` asks the cost model (the options' attention shape, the device's machine)."""
+    if options.layout != "auto":
+        return make_shard_plan(runs, cp, options.layout)
+    shape = options.attn_shape or cost.Shape()
+    return cost.choose_layout(runs, cp, shape, cost.machine_for(device), options.overlap)
 
 
 def _build_step_state(
@@ -299,8 +323,7 @@ def _build_step_state(
     doc_ids: torch.Tensor,
     plan: ShardPlan,
     device: torch.device,
-    backend: str,
-    kv_mode: str,
+    options: state_module.CPOptions,
 ) -> StepState:
     """Precompute everything the attention layers of this step share (no per-layer host syncs)."""
     doc_ids_full = torch.nn.functional.pad(doc_ids, (0, plan.runs.total_len - doc_ids.shape[1]))
@@ -323,6 +346,6 @@ def _build_step_state(
         merge_index=merge_index,
         packed_cu_seqlens=cu_cpu.to(device),
         packed_cu_seqlens_cpu=cu_cpu,
-        attn_backend=backend,
-        kv_exchange=kv_mode,
+        positions=plan.permutation[rank * plan.local_len : (rank + 1) * plan.local_len].to(device),
+        options=options,
     )

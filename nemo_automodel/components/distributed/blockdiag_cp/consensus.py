@@ -7,20 +7,23 @@ Three small collectives, each over the CP group:
   the step's configuration and document layout with every other rank's and all
   raise the same error on a disagreement, before any path-dependent collective;
 - :class:`GuardedKernel`: runs a kernel so that an exception, forward or backward,
-  is recorded in a :class:`CallStatus` instead of unwinding one rank alone; the
-  runtime then reaches consensus on the status and every rank raises together.
+  is recorded in the step's :class:`~.state.FailureLog` instead of unwinding one rank
+  alone; the rank continues with zeros, and :func:`settle_step` (once per step, or the
+  recipe's step all-reduce) makes every rank raise together, naming the failing ranks.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from nemo_automodel.components.distributed.blockdiag_cp.state import FailureLog
 
 logger = logging.getLogger(__name__)
 
@@ -91,43 +94,93 @@ def check_step_agreement(fields: dict[str, Any], group: dist.ProcessGroup | None
         )
 
 
-@dataclass
-class CallStatus:
-    """Failures recorded during one CP attention call (forward and backward), with diagnostics."""
+# One rank's failures of a step, as the collective carries them: (micro-batch + 1, first failing
+# forward call + 1, first failing backward call + 1); zeros when nothing failed.
+FailureRow = tuple[int, int, int]
 
-    forward: list[str] = field(default_factory=list)
-    backward: list[str] = field(default_factory=list)
 
-    def raise_if_failed(
-        self, phase: str, group: dist.ProcessGroup | None, device: torch.device, rank: int, what: str
-    ) -> None:
-        """Consensus on ``phase``'s failures; every rank raises when any rank failed.
+def failure_row(logs: Sequence[FailureLog]) -> FailureRow:
+    """This rank's row for the settlement: the first micro-batch (of ``logs``) with a failure, and its calls."""
+    for index, log in enumerate(logs):
+        if log:
+            forward, backward = log.first("forward"), log.first("backward")
+            return index + 1, 0 if forward is None else forward + 1, 0 if backward is None else backward + 1
+    return 0, 0, 0
 
-        Args:
-            phase: ``"forward"`` or ``"backward"``.
-            group: The CP process group.
-            device: Device for the collective's tensor.
-            rank: This rank (for the message).
-            what: Description of the call (path, kernel) for the message.
-        """
-        mine = getattr(self, phase)
-        for diagnostic in mine:
-            logger.error("CP attention %s failed on CP rank %d: %s", phase, rank, diagnostic)
-        failed = failed_ranks(not mine, group, device)
+
+def failure_message(rows: Sequence[Sequence[int]], rank_name: Callable[[int], str], own: Sequence[str]) -> str | None:
+    """The error every rank raises for a step whose kernels failed somewhere (``None``: nothing failed).
+
+    Args:
+        rows: Every rank's :data:`FailureRow`, indexed by rank (identical on every rank).
+        rank_name: How a rank is named in the message (``"CP rank 1"``, ``"rank 3 (dp 1, cp 1)"``).
+        own: This rank's own diagnostics (appended to its message only).
+    """
+    parts = []
+    for column, direction in ((1, "forward"), (2, "backward")):
+        failed = [r for r, row in enumerate(rows) if row[column]]
         if failed:
-            own = f"; this rank: {'; '.join(mine)}" if mine else ""
-            raise RuntimeError(
-                f"block-diagonal CP attention {phase} failed on CP rank(s) {failed} ({what}); every rank raises "
-                f"instead of falling back, which would desynchronize the group's collectives{own}"
+            where = "; ".join(
+                f"{rank_name(r)}: CP attention call {rows[r][column] - 1}"
+                + (f" of micro-batch {rows[r][0] - 1}" if len(rows[r]) > 2 and rows[r][0] > 1 else "")
+                for r in failed
             )
+            parts.append(f"{direction} failed on CP rank(s) {failed} ({where})")
+    if not parts:
+        return None
+    mine = f"; this rank: {'; '.join(own)}" if own else ""
+    return (
+        f"block-diagonal CP attention {'; '.join(parts)}: every rank raises instead of training on the zeros "
+        f"the failed kernel left{mine}"
+    )
+
+
+def diagnostics(logs: Sequence[FailureLog]) -> list[str]:
+    """This rank's recorded failures, one line each."""
+    return [
+        f"{direction} of CP attention call {call}: {text}"
+        for log in logs
+        for direction in ("forward", "backward")
+        for call, text in getattr(log, direction)
+    ]
+
+
+def settle_step(logs: Sequence[FailureLog], group: dist.ProcessGroup | None, device: torch.device) -> None:
+    """Collective, once per step: raise the same error on every rank when a kernel failed on any rank.
+
+    One all-reduce of every rank's :data:`FailureRow` (after backward, so
+    backward failures are included). Ranks are named by CP rank.
+    """
+    mine = diagnostics(logs)
+    for line in mine:
+        logger.error("CP attention failed on this rank: %s", line)
+    rows = _gather_rows(list(failure_row(logs)), group, device)
+    message = failure_message(rows, lambda r: f"CP rank {r}", mine)
+    if message is not None:
+        raise RuntimeError(message)
+
+
+@dataclass(frozen=True)
+class CallRecorder:
+    """Where one CP attention call records its kernel failures: the step's log and the call's index."""
+
+    log: FailureLog
+    call: int
+
+    def fail(self, direction: str, diagnostic: str) -> None:
+        self.log.record(direction, self.call, diagnostic)
+
+    def failed(self, direction: str) -> bool:
+        """Whether this call failed in ``direction`` on this rank."""
+        return any(call == self.call for call, _ in getattr(self.log, direction))
 
 
 class GuardedKernel(torch.autograd.Function):
-    """Run ``fn(q, k, v)``; an exception (forward or backward) is recorded in ``status`` instead of raised.
+    """Run ``fn(q, k, v)``; an exception (forward or backward) is recorded instead of raised.
 
     On failure the output (or the input gradients) are zeros of the right shape,
     so this rank keeps issuing the same collectives as its peers until the
-    runtime's consensus makes every rank raise. The kernel's own autograd graph
+    step's settlement makes every rank raise. The kernel's own autograd graph
     is built inside the forward and differentiated in the backward.
     """
 
@@ -135,16 +188,16 @@ class GuardedKernel(torch.autograd.Function):
     def forward(
         ctx: Any,
         fn: Callable[..., torch.Tensor],
-        status: CallStatus,
+        recorder: CallRecorder,
         describe: str,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
     ) -> torch.Tensor:
-        ctx.status, ctx.describe = status, describe
+        ctx.recorder, ctx.describe = recorder, describe
         inputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in (q, k, v))
         with torch.enable_grad():
-            out = _call(fn, status, describe, *inputs)
+            out = _call(fn, recorder, describe, *inputs)
         ctx.inputs, ctx.out = inputs, out
         return out.detach()
 
@@ -159,7 +212,7 @@ class GuardedKernel(torch.autograd.Function):
                 found = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True))
                 grads = [next(found) if t.requires_grad else None for t in inputs]
         except Exception as exc:  # same contract as the forward
-            ctx.status.backward.append(f"{type(exc).__name__}: {exc} [{ctx.describe}]")
+            ctx.recorder.fail("backward", f"{type(exc).__name__}: {exc} [{ctx.describe}]")
             grads = [torch.zeros_like(t) if t.requires_grad else None for t in inputs]
         grads = [torch.zeros_like(t) if g is None and t.requires_grad else g for g, t in zip(grads, inputs)]
         return (None, None, None, *grads)
@@ -167,7 +220,7 @@ class GuardedKernel(torch.autograd.Function):
 
 def _call(
     fn: Callable[..., torch.Tensor | None],
-    status: CallStatus,
+    recorder: CallRecorder,
     describe: str,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -178,25 +231,25 @@ def _call(
         out = fn(q, k, v)
     except _CONTROL_FLOW:
         raise
-    except Exception as exc:  # reach consensus first; the runtime raises on every rank
-        status.forward.append(f"{type(exc).__name__}: {exc} [{describe}]")
+    except Exception as exc:  # settle first; every rank raises together
+        recorder.fail("forward", f"{type(exc).__name__}: {exc} [{describe}]")
         return q.new_zeros(q.shape)
     if not isinstance(out, torch.Tensor) or out.shape != q.shape:
         got = "no output" if out is None else f"output {type(out).__name__} {getattr(out, 'shape', '')}"
-        status.forward.append(f"kernel returned {got}, expected a tensor {tuple(q.shape)} [{describe}]")
+        recorder.fail("forward", f"kernel returned {got}, expected a tensor {tuple(q.shape)} [{describe}]")
         return q.new_zeros(q.shape)
     return out
 
 
 def guarded(
     fn: Callable[..., torch.Tensor | None],
-    status: CallStatus,
+    recorder: CallRecorder,
     describe: str,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
 ) -> torch.Tensor:
-    """``fn(q, k, v)`` with failures (an exception, or no output) recorded in ``status``.
+    """``fn(q, k, v)`` with failures (an exception, or no output) recorded by ``recorder``.
 
     The backward is guarded too (see :class:`GuardedKernel`) unless autograd is
     off or saved-tensor hooks are active (non-reentrant checkpointing); then the
@@ -205,5 +258,5 @@ def guarded(
     collective (the process-group timeout bounds the wait).
     """
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)) and not _saved_tensor_hooks_active():
-        return GuardedKernel.apply(fn, status, describe, q, k, v)
-    return _call(fn, status, describe, q, k, v)
+        return GuardedKernel.apply(fn, recorder, describe, q, k, v)
+    return _call(fn, recorder, describe, q, k, v)

@@ -17,14 +17,18 @@ backward starts the reverse collective and ``_Post``'s backward (the last node
 of the layer) completes it, so local-segment gradients are computed while the
 key gradients travel.
 
-Everything works on the fused ``[K; V]`` tensor ``kv [1, C, L, D]``
-(``C = 2 * Hkv``): one collective moves both.
+What travels is token-major and fused: one row per key position holding that
+position's keys and values of every K/V head, ``[T, F]`` with
+``F = Hkv * Dk + Hkv * Dv`` (so value heads may be narrower or wider than key
+heads). Only the sent positions are copied into the send buffer (all ``L`` for
+``allgather``), and received keys are read in place as views.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -118,29 +122,16 @@ def compute_kv_plan(shard: ShardPlan) -> KVPlan:
     return KVPlan(shard.cp, shard.local_len, tuple(pieces))
 
 
-def _gather_spans(x: torch.Tensor, spans: list[Span]) -> torch.Tensor:
-    """Concatenate ``x[:, :, start:start + n]`` over ``spans`` -> contiguous ``[1, C, sum n, D]``."""
-    if not spans:
-        return x.new_empty(x.shape[0], x.shape[1], 0, x.shape[3])
-    return torch.cat([x[:, :, s : s + n] for s, n in spans], dim=2).contiguous()
-
-
-def _add_spans(grad_x: torch.Tensor, spans: list[Span], grad: torch.Tensor) -> None:
-    """Accumulate ``grad [1, C, sum n, D]`` onto the spans of ``grad_x``."""
-    offset = 0
-    for s, n in spans:
-        grad_x[:, :, s : s + n] += grad[:, :, offset : offset + n]
-        offset += n
-
-
 @dataclass
 class ExchangeOp:
     """One layer's K/V exchange: start and finish it, forward and backward, with blocked time recorded.
 
     Subclasses implement ``_start``/``_start_backward`` (post the collective,
     return the work handles) and ``_finish``/``_finish_backward`` (after the
-    handles completed). ``after_backward`` runs when the reverse exchange
-    completed: the runtime's backward failure consensus hooks in there.
+    handles completed). Forward moves the send buffer ``[T, F]`` and returns the
+    received rows ``[R, F]``; backward moves their gradient the other way and
+    returns the send buffer's gradient ``[T, F]``. ``after_backward`` runs when the
+    reverse exchange completed (the runtime accounts its time there).
 
     Attributes:
         group: The CP process group.
@@ -153,31 +144,33 @@ class ExchangeOp:
     wait_s: float = 0.0
     backward_wait_s: float = 0.0
     _works: list[Any] = field(default_factory=list)
-    _shape: tuple[int, ...] = ()
+    _buffer: torch.Tensor | None = None
+    _sent_rows: int = 0
 
-    def start(self, kv: torch.Tensor) -> None:
-        """Post the collective for ``kv [1, C, L, D]``."""
-        self._shape = tuple(kv.shape)
-        self._works = self._start(kv)
+    def start(self, send: torch.Tensor) -> None:
+        """Post the collective for the send buffer ``[T, F]``."""
+        self._sent_rows = send.shape[0]
+        self._works = self._start(send.contiguous())
 
     def finish(self) -> torch.Tensor:
-        """Block until the forward collective completed; returns the received keys."""
+        """Block until the forward collective completed; returns the received rows ``[R, F]``."""
         self.wait_s += _wait(self._works)
-        return self._finish()
+        out, self._buffer = self._finish(), None
+        return out
 
     def start_backward(self, grad: torch.Tensor) -> None:
-        """Post the reverse collective for the received keys' gradient."""
+        """Post the reverse collective for the received rows' gradient ``[R, F]``."""
         self._works = self._start_backward(grad.contiguous())
 
     def finish_backward(self) -> torch.Tensor:
-        """Block until the reverse collective completed; returns the gradient of ``kv``."""
+        """Block until the reverse collective completed; returns the send buffer's gradient ``[T, F]``."""
         self.backward_wait_s += _wait(self._works)
-        grad = self._finish_backward()
+        grad, self._buffer = self._finish_backward(), None
         if self.after_backward is not None:
             self.after_backward()
         return grad
 
-    def _start(self, kv: torch.Tensor) -> list[Any]:
+    def _start(self, send: torch.Tensor) -> list[Any]:
         raise NotImplementedError
 
     def _finish(self) -> torch.Tensor:
@@ -199,108 +192,90 @@ def _wait(works: list[Any]) -> float:
 
 @dataclass
 class AllGatherOp(ExchangeOp):
-    """``[1, C, L, D]`` local chunk -> ``[1, C, world * L, D]`` full sequence; backward reduce-scatters."""
+    """``[L, F]`` local rows -> ``[world * L, F]`` the whole row; backward reduce-scatters."""
 
     world: int = 1
     _parts: list[torch.Tensor] = field(default_factory=list)
 
-    def _start(self, kv: torch.Tensor) -> list[Any]:
-        kv = kv.contiguous()
-        self._parts = [torch.empty_like(kv) for _ in range(self.world)]
-        return [dist.all_gather(self._parts, kv, group=self.group, async_op=True)]
+    def _start(self, send: torch.Tensor) -> list[Any]:
+        self._parts = [torch.empty_like(send) for _ in range(self.world)]
+        return [dist.all_gather(self._parts, send, group=self.group, async_op=True)]
 
     def _finish(self) -> torch.Tensor:
-        full, self._parts = torch.cat(self._parts, dim=2), []
+        full, self._parts = torch.cat(self._parts), []
         return full
 
     def _start_backward(self, grad: torch.Tensor) -> list[Any]:
         # Every rank's queries may read every key: the owner gets the sum over ranks.
-        chunks = [c.contiguous() for c in grad.chunk(self.world, dim=2)]
-        self._parts = [torch.empty_like(chunks[0])]
-        return [dist.reduce_scatter(self._parts[0], chunks, op=dist.ReduceOp.SUM, group=self.group, async_op=True)]
+        chunks = list(grad.chunk(self.world))
+        self._buffer = torch.empty_like(chunks[0])
+        return [dist.reduce_scatter(self._buffer, chunks, op=dist.ReduceOp.SUM, group=self.group, async_op=True)]
 
     def _finish_backward(self) -> torch.Tensor:
-        grad, self._parts = self._parts[0], []
-        return grad
+        return self._buffer
 
 
 @dataclass
 class HaloOp(ExchangeOp):
-    """Left-neighbour point-to-point: send ``send_spans`` to the next rank, receive ``recv_count`` from the previous."""
+    """Neighbour point-to-point: send the buffer to the next rank, receive ``recv_count`` rows from the previous."""
 
-    send_spans: list[Span] = field(default_factory=list)
     recv_count: int = 0
     prev_peer: int = 0
     next_peer: int = 0
-    _recv: torch.Tensor | None = None
-    _grad_sent: torch.Tensor | None = None
 
-    def _start(self, kv: torch.Tensor) -> list[Any]:
-        b, c, _, d = kv.shape
-        self._recv = kv.new_empty(b, c, self.recv_count, d)
+    def _start(self, send: torch.Tensor) -> list[Any]:
+        self._buffer = send.new_empty(self.recv_count, send.shape[1])
         ops = []
-        if self.send_spans:
-            ops.append(dist.P2POp(dist.isend, _gather_spans(kv, self.send_spans), self.next_peer, group=self.group))
+        if send.shape[0]:
+            ops.append(dist.P2POp(dist.isend, send, self.next_peer, group=self.group))
         if self.recv_count:
-            ops.append(dist.P2POp(dist.irecv, self._recv, self.prev_peer, group=self.group))
+            ops.append(dist.P2POp(dist.irecv, self._buffer, self.prev_peer, group=self.group))
         return dist.batch_isend_irecv(ops) if ops else []
 
     def _finish(self) -> torch.Tensor:
-        recv, self._recv = self._recv, None
-        return recv
+        return self._buffer
 
     def _start_backward(self, grad: torch.Tensor) -> list[Any]:
-        b, c, _, d = self._shape
-        self._grad_sent = grad.new_empty(b, c, sum(n for _, n in self.send_spans), d)
+        self._buffer = grad.new_empty(self._sent_rows, grad.shape[1])
         ops = []
         if self.recv_count:
             ops.append(dist.P2POp(dist.isend, grad, self.prev_peer, group=self.group))
-        if self.send_spans:
-            ops.append(dist.P2POp(dist.irecv, self._grad_sent, self.next_peer, group=self.group))
+        if self._sent_rows:
+            ops.append(dist.P2POp(dist.irecv, self._buffer, self.next_peer, group=self.group))
         return dist.batch_isend_irecv(ops) if ops else []
 
     def _finish_backward(self) -> torch.Tensor:
-        grad_x = self._grad_sent.new_zeros(self._shape)
-        _add_spans(grad_x, self.send_spans, self._grad_sent)
-        self._grad_sent = None
-        return grad_x
+        return self._buffer
 
 
 @dataclass
 class AllToAllOp(ExchangeOp):
-    """All-to-all-v: ``send_spans[dst]`` to each ``dst``; ``recv_counts[src]`` from each ``src``, in source order."""
+    """All-to-all-v: ``send_counts[dst]`` rows of the buffer to each ``dst``; ``recv_counts[src]`` from each ``src``."""
 
-    send_spans: list[list[Span]] = field(default_factory=list)
+    send_counts: list[int] = field(default_factory=list)
     recv_counts: list[int] = field(default_factory=list)
-    _buffer: torch.Tensor | None = None
 
-    def _start(self, kv: torch.Tensor) -> list[Any]:
-        b, c, _, d = kv.shape
-        # all_to_all_single splits dim 0, so tokens go first: [T, 1, C, D].
-        send = _gather_spans(kv, [s for spans in self.send_spans for s in spans]).permute(2, 0, 1, 3).contiguous()
-        self._buffer = kv.new_empty(sum(self.recv_counts), b, c, d)
+    def _start(self, send: torch.Tensor) -> list[Any]:
+        self._buffer = send.new_empty(sum(self.recv_counts), send.shape[1])
         work = dist.all_to_all_single(
             self._buffer,
             send,
             output_split_sizes=self.recv_counts,
-            input_split_sizes=[sum(n for _, n in s) for s in self.send_spans],
+            input_split_sizes=self.send_counts,
             group=self.group,
             async_op=True,
         )
         return [work]
 
     def _finish(self) -> torch.Tensor:
-        out, self._buffer = self._buffer.permute(1, 2, 0, 3), None
-        return out
+        return self._buffer
 
     def _start_backward(self, grad: torch.Tensor) -> list[Any]:
-        b, c, _, d = self._shape
-        sent = [sum(n for _, n in s) for s in self.send_spans]
-        self._buffer = grad.new_empty(sum(sent), b, c, d)
+        self._buffer = grad.new_empty(sum(self.send_counts), grad.shape[1])
         work = dist.all_to_all_single(
             self._buffer,
-            grad.permute(2, 0, 1, 3).contiguous(),
-            output_split_sizes=sent,
+            grad,
+            output_split_sizes=self.send_counts,
             input_split_sizes=self.recv_counts,
             group=self.group,
             async_op=True,
@@ -308,24 +283,20 @@ class AllToAllOp(ExchangeOp):
         return [work]
 
     def _finish_backward(self) -> torch.Tensor:
-        grad_x = self._buffer.new_zeros(self._shape)
-        # A key sent to several ranks gets the sum of their gradients.
-        _add_spans(grad_x, [s for spans in self.send_spans for s in spans], self._buffer.permute(1, 2, 0, 3))
-        self._buffer = None
-        return grad_x
+        return self._buffer
 
 
 class _Post(torch.autograd.Function):
-    """Start ``op`` on ``kv``; its backward completes the reverse collective (and returns ``kv``'s gradient).
+    """Start ``op`` on the send buffer; its backward completes the reverse collective (the buffer's gradient).
 
     The output is an empty token that orders :class:`_Wait` after it; the data travels inside ``op``.
     """
 
     @staticmethod
-    def forward(ctx: Any, kv: torch.Tensor, op: ExchangeOp) -> torch.Tensor:
+    def forward(ctx: Any, send: torch.Tensor, op: ExchangeOp) -> torch.Tensor:
         ctx.op = op
-        op.start(kv)
-        return kv.new_empty(0)
+        op.start(send)
+        return send.new_empty(0)
 
     @staticmethod
     def backward(ctx: Any, _unused: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -333,7 +304,7 @@ class _Post(torch.autograd.Function):
 
 
 class _Wait(torch.autograd.Function):
-    """Complete ``op``; its backward starts the reverse collective with the received keys' gradient."""
+    """Complete ``op``; its backward starts the reverse collective with the received rows' gradient."""
 
     @staticmethod
     def forward(ctx: Any, token: torch.Tensor, op: ExchangeOp) -> torch.Tensor:
@@ -346,81 +317,81 @@ class _Wait(torch.autograd.Function):
         return grad.new_zeros(0), None  # the real gradient travels inside the op, completed by _Post
 
 
-def make_exchange_op(path: str, group: dist.ProcessGroup, rank: int, world: int, plan: KVPlan | None) -> ExchangeOp:
-    """The exchange op of ``path`` for ``rank`` (``plan`` is needed for ``halo`` and ``a2a``)."""
-    if path == "allgather":
-        return AllGatherOp(group, world=world)
-    if plan is None:
-        raise ValueError(f"kv_exchange path {path!r} needs an exchange plan")
-    if path == "halo":
-        return HaloOp(
-            group,
-            send_spans=plan.send_spans(rank, rank + 1) if rank + 1 < world else [],
-            recv_count=plan.recv_count(rank, rank - 1) if rank > 0 else 0,
-            prev_peer=dist.get_global_rank(group, (rank - 1) % world),
-            next_peer=dist.get_global_rank(group, (rank + 1) % world),
-        )
-    if path == "a2a":
-        return AllToAllOp(
-            group,
-            send_spans=[plan.send_spans(rank, dst) for dst in range(world)],
-            recv_counts=[plan.recv_count(rank, src) for src in range(world)],
-        )
-    raise ValueError(f"unknown kv_exchange path {path!r}")
-
-
-def post(kv: torch.Tensor, op: ExchangeOp) -> torch.Tensor:
-    """Start the exchange of ``kv [1, C, L, D]`` (differentiable)."""
-    return _Post.apply(kv, op)
+def post(send: torch.Tensor, op: ExchangeOp) -> torch.Tensor:
+    """Start the exchange of the send buffer ``[T, F]`` (differentiable)."""
+    return _Post.apply(send, op)
 
 
 def wait(token: torch.Tensor, op: ExchangeOp) -> torch.Tensor:
     """Complete the exchange started by :func:`post` (``token`` is its output).
 
-    Returns the received keys: for ``allgather`` the full sequence ``[1, C, S, D]``,
-    else ``[1, C, R, D]``, the received spans ordered by source rank, then position.
+    Returns the received rows ``[R, F]``: for ``allgather`` the whole row (``R = S_full``),
+    else the received spans ordered by source rank, then position.
     """
     return _Wait.apply(token, op)
 
 
-def assemble(
-    kv: torch.Tensor,
-    received: torch.Tensor,
-    path: str,
-    rank: int,
-    local_len: int,
-    kv_ranges: tuple[tuple[int, int], ...],
-    plan: KVPlan | None,
-) -> torch.Tensor:
-    """Pack a group's keys ``[1, C, K, D]`` in packed order from the local chunk and the received keys.
+# Where a run of a group's packed keys comes from: (from the received rows?, start, length). Local
+# runs start at a local row; received runs at a row of the received buffer.
+KeySource = tuple[bool, int, int]
+# The same run as whole chunks of its buffer: (from the received rows?, first chunk, end chunk).
+ChunkRun = tuple[bool, int, int]
 
-    ``received[:, :, :0]`` always leads the concatenation, so the exchange stays
-    in the graph and its backward runs on every rank (even one that received
-    nothing and sent something).
 
-    Args:
-        kv: Local fused keys ``[1, C, L, D]``.
-        received: Output of :func:`wait` (full sequence for ``allgather``; else
-            the received spans ordered by source rank, then position).
-        path: ``allgather``, ``halo`` or ``a2a``.
-        rank: This rank.
-        local_len: Rows per rank.
-        kv_ranges: The group's physical key ranges in packed order.
-        plan: The :class:`KVPlan` (``halo``/``a2a``).
+def _cuts(length: int, runs: Sequence[tuple[int, int]]) -> tuple[tuple[int, ...], dict[int, int]]:
+    """Chunk sizes partitioning ``[0, length)`` at every run's ends, and each cut point's chunk index.
+
+    Taking runs as whole chunks of one ``split`` (instead of one slice each)
+    matters in backward: autograd fills a buffer-sized zero gradient for every
+    slice of a tensor, but only one for a ``split``.
     """
-    parts = [received[:, :, :0]]
-    if path == "allgather":
-        parts += [received[:, :, s:e] for s, e in kv_ranges]
-        return torch.cat(parts, dim=2)
-    offsets = _span_offsets(plan, rank)
-    for s, e in kv_ranges:
-        for owner, start, n in _split_by_owner(s, e, local_len):
-            if owner == rank:
-                parts.append(kv[:, :, start : start + n])
-            else:
-                at = _offset_in(offsets[owner], start)
-                parts.append(received[:, :, at : at + n])
-    return torch.cat(parts, dim=2)
+    points = sorted({0, length, *(p for s, n in runs for p in (s, s + n))})
+    return tuple(b - a for a, b in itertools.pairwise(points)), {p: i for i, p in enumerate(points)}
+
+
+@dataclass(frozen=True)
+class Route:
+    """How this step's layers get their keys, fixed on the first call and reused by every layer.
+
+    Every buffer a call reads from (its local keys, the received rows) is split once
+    into chunks; a group's packed keys are a concatenation of whole chunks.
+
+    Attributes:
+        path: ``allgather``, ``halo`` or ``a2a``.
+        reason: Why this path.
+        plan: The replicated needed-only plan (``None`` for ``allgather``).
+        local_cuts: Chunk sizes of the local ``L`` rows.
+        received_cuts: Chunk sizes of the received rows.
+        sources: Per attention group, its packed keys as runs of chunks, in packed order.
+        send_chunks: Local chunks sent, in send order (``None``: all ``L`` rows, ``allgather``).
+        send_counts: Rows sent to each rank.
+        recv_counts: Rows received from each rank.
+        received_tokens: Rows this rank receives (``allgather``: the ``S_full - L`` others').
+    """
+
+    path: str
+    reason: str
+    plan: KVPlan | None
+    local_cuts: tuple[int, ...]
+    received_cuts: tuple[int, ...]
+    sources: tuple[tuple[ChunkRun, ...], ...]
+    send_chunks: tuple[int, ...] | None
+    send_counts: tuple[int, ...]
+    recv_counts: tuple[int, ...]
+    received_tokens: int
+
+    def new_op(self, group: dist.ProcessGroup, rank: int, world: int) -> ExchangeOp:
+        """A fresh exchange op for one layer."""
+        if self.path == "allgather":
+            return AllGatherOp(group, world=world)
+        if self.path == "halo":
+            return HaloOp(
+                group,
+                recv_count=self.recv_counts[rank - 1] if rank > 0 else 0,
+                prev_peer=dist.get_global_rank(group, (rank - 1) % world),
+                next_peer=dist.get_global_rank(group, (rank + 1) % world),
+            )
+        return AllToAllOp(group, send_counts=list(self.send_counts), recv_counts=list(self.recv_counts))
 
 
 def _span_offsets(plan: KVPlan, rank: int) -> dict[int, list[tuple[int, int, int]]]:
@@ -442,7 +413,135 @@ def _offset_in(spans: list[tuple[int, int, int]], start: int) -> int:
     raise AssertionError(f"position {start} was not received")
 
 
-def anchor_like(query: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
-    """An empty ``[1, Hq, 0, D]`` slice of ``received``; concatenated into the output it keeps the
-    exchange in the graph, so its backward runs on every rank (also one whose groups need nothing)."""
-    return received[:, :1, :0, :].expand(query.shape[0], query.shape[1], 0, query.shape[3])
+def key_sources(
+    kv_ranges: tuple[tuple[int, int], ...], path: str, rank: int, local_len: int, plan: KVPlan | None
+) -> tuple[KeySource, ...]:
+    """Where the packed keys of physical ranges ``kv_ranges`` are, on ``rank`` after ``path``'s exchange.
+
+    Keys this rank holds are always read locally (also under ``allgather``), so a
+    group of local keys never waits for the exchange.
+    """
+    offsets = _span_offsets(plan, rank) if plan is not None else {}
+    sources: list[KeySource] = []
+    for s, e in kv_ranges:
+        for owner, start, n in _split_by_owner(s, e, local_len):
+            if owner == rank:
+                sources.append((False, start, n))
+            elif path == "allgather":
+                sources.append((True, owner * local_len + start, n))
+            else:
+                sources.append((True, _offset_in(offsets[owner], start), n))
+    return tuple(sources)
+
+
+def _chunk_runs(
+    sources: tuple[KeySource, ...], local_index: dict[int, int], received_index: dict[int, int]
+) -> tuple[ChunkRun, ...]:
+    """``sources`` as runs of whole chunks, adjacent runs of one buffer joined."""
+    out: list[ChunkRun] = []
+    for received, start, n in sources:
+        index = received_index if received else local_index
+        first, stop = index[start], index[start + n]
+        if out and out[-1][0] == received and out[-1][2] == first:
+            out[-1] = (received, out[-1][1], stop)
+        else:
+            out.append((received, first, stop))
+    return tuple(out)
+
+
+def make_route(
+    path: str,
+    reason: str,
+    plan: KVPlan | None,
+    group_ranges: Sequence[tuple[tuple[int, int], ...]],
+    rank: int,
+    world: int,
+    local_len: int,
+) -> Route:
+    """Everything the layers of a step need to exchange and assemble keys along ``path`` (host work, once)."""
+    if path != "allgather" and plan is None:
+        raise ValueError(f"kv_exchange path {path!r} needs an exchange plan")
+    sources = [key_sources(ranges, path, rank, local_len, plan) for ranges in group_ranges]
+    if path == "allgather":
+        per_dst: list[list[Span]] = [[] for _ in range(world)]
+        recv_counts = send_counts = (local_len,) * world
+        received_len = world * local_len
+    else:
+        per_dst = [plan.send_spans(rank, dst) if dst != rank else [] for dst in range(world)]
+        if path == "halo":  # a halo rank sends to its right neighbour only
+            per_dst = [spans if dst == rank + 1 else [] for dst, spans in enumerate(per_dst)]
+        recv_counts = tuple(plan.recv_count(rank, src) for src in range(world))
+        send_counts = tuple(sum(n for _, n in spans) for spans in per_dst)
+        received_len = sum(recv_counts)
+    sends = [span for spans in per_dst for span in spans]
+    local_runs = [(s, n) for group in sources for received, s, n in group if not received] + sends
+    local_cuts, local_index = _cuts(local_len, local_runs)
+    received_cuts, received_index = _cuts(received_len, [(s, n) for g in sources for r, s, n in g if r])
+    return Route(
+        path=path,
+        reason=reason,
+        plan=plan,
+        local_cuts=local_cuts,
+        received_cuts=received_cuts,
+        sources=tuple(_chunk_runs(group, local_index, received_index) for group in sources),
+        send_chunks=None
+        if path == "allgather"
+        else tuple(i for s, n in sends for i in range(local_index[s], local_index[s + n])),
+        send_counts=send_counts,
+        recv_counts=recv_counts,
+        received_tokens=received_len - local_len if path == "allgather" else received_len,
+    )
+
+
+def send_buffer(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    chunks: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]],
+    send: tuple[int, ...] | None,
+) -> torch.Tensor:
+    """Fused token-major rows to send: ``[T, F]`` from ``key [1, Hkv, L, Dk]`` and ``value [1, Hkv, L, Dv]``.
+
+    ``chunks`` are the key and value chunks of the route's local split, ``send``
+    the chunks to send, in order (``None``: all ``L`` rows).
+    """
+    parts = []
+    for whole, pieces in zip((key, value), chunks):
+        if send is None:
+            picked = whole
+        elif not send:  # nothing to send, but the buffer must stay in the graph: its backward receives
+            picked = whole[:, :, :0]
+        else:
+            picked = pieces[send[0]] if len(send) == 1 else torch.cat([pieces[i] for i in send], dim=2)
+        parts.append(picked[0].transpose(0, 1))  # [T, Hkv, D]: a view; models usually hold this layout already
+    if key.shape[3] == value.shape[3]:
+        return torch.cat(parts, dim=1).flatten(1)
+    return torch.cat([t.flatten(1) for t in parts], dim=1)
+
+
+def split_received(
+    received: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cuts: tuple[int, ...]
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """The received rows ``[R, F]`` as key and value chunks ``[1, Hkv, n, D]`` (views, split once at ``cuts``)."""
+    heads, key_dim = key.shape[1], key.shape[3]
+    keys = received[:, : heads * key_dim].unflatten(1, (heads, key_dim))
+    values = received[:, heads * key_dim :].unflatten(1, (heads, value.shape[3]))
+    key_chunks = tuple(c.unsqueeze(0) for c in keys.transpose(0, 1).split(cuts, dim=1))
+    value_chunks = tuple(c.unsqueeze(0) for c in values.transpose(0, 1).split(cuts, dim=1))
+    return key_chunks, value_chunks
+
+
+def assemble(
+    local: tuple[torch.Tensor, ...], received: tuple[torch.Tensor, ...] | None, runs: tuple[ChunkRun, ...]
+) -> torch.Tensor:
+    """A group's packed keys (or values) ``[1, Hkv, K, D]`` from local and received chunks ``[1, Hkv, n, D]``."""
+    parts = [c for from_received, a, b in runs for c in (received if from_received else local)[a:b]]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
+def anchor_like(heads: int, dim: int, received: torch.Tensor) -> torch.Tensor:
+    """An empty ``[1, heads, 0, dim]`` output slice that depends on ``received``.
+
+    Concatenated into the output it keeps the exchange in the graph, so its
+    backward runs on every rank (also one whose groups need nothing received).
+    """
+    return received[:0, :1].reshape(1, 1, 0, 1).expand(1, heads, 0, dim)

@@ -24,6 +24,7 @@ import itertools
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -75,7 +76,7 @@ class VarlenMeta:
     cu_k: torch.Tensor
     max_q: int
     max_k: int
-    _validated: dict[tuple[int, int, str], str | None] = field(default_factory=dict, compare=False, repr=False)
+    _masks: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def kv_len(self) -> int:
@@ -90,6 +91,14 @@ class VarlenMeta:
             q_start += q_len
             k_start += k_len
 
+    @cached_property
+    def batches(self) -> tuple[SegmentBatch, ...]:
+        """Segments grouped by ``(q_len, k_len)``, in order of first appearance: each group is one kernel call."""
+        grouped: dict[tuple[int, int], list[int]] = {}
+        for i, shape in enumerate(zip(self.q_lens, self.k_lens)):
+            grouped.setdefault(shape, []).append(i)
+        return tuple(SegmentBatch(q_len, k_len, tuple(members)) for (q_len, k_len), members in grouped.items())
+
     def describe(self) -> str:
         """Compact text for diagnostics (no device access)."""
         prefixed = sum(k > q for q, k in zip(self.q_lens, self.k_lens))
@@ -97,6 +106,21 @@ class VarlenMeta:
             f"n_real={self.n_real}/{self.local_len} segments={len(self.q_lens)} (with earlier keys: {prefixed}) "
             f"kv_len={self.kv_len} max_q={self.max_q} max_k={self.max_k}"
         )
+
+
+@dataclass(frozen=True)
+class SegmentBatch:
+    """Segments of one shape that one batched kernel call attends (``sdpa_varlen``).
+
+    Attributes:
+        q_len: Query rows of each segment.
+        k_len: Keys of each segment (``> q_len``: its rows are the last ``q_len`` of ``k_len`` keys).
+        indices: The segments' positions in the metadata's segment order.
+    """
+
+    q_len: int
+    k_len: int
+    indices: tuple[int, ...]
 
 
 def build_varlen_meta(
@@ -165,6 +189,11 @@ class AttentionGroup:
     kv_ranges: tuple[tuple[int, int], ...]
     meta: VarlenMeta
 
+    @cached_property
+    def label(self) -> str:
+        """Compact text for diagnostics (built once: failures name the group)."""
+        return f"{'local' if self.local else 'remote'} group: {self.meta.describe()}"
+
     def take_rows(self, q: torch.Tensor) -> torch.Tensor:
         """The group's query rows of ``q [1, H, L, D]`` -> ``[1, H, n_rows, D]``."""
         if isinstance(self.rows, tuple):
@@ -209,39 +238,6 @@ def plan_attention_groups(
     return tuple(groups), torch.tensor(inverse, dtype=torch.long, device=device)
 
 
-def _varlen_metadata_unavailable_reason(
-    meta: VarlenMeta | None, *, query_len: int, key_len: int, device: torch.device
-) -> str | None:
-    """Why ``meta`` cannot drive a kernel on these shapes, or ``None`` when it can.
-
-    Cheap and cached per ``(query_len, key_len, device)``: the index tensors were
-    built from validated host lists, so only their shapes and placement are checked.
-
-    Args:
-        meta: A rank's metadata over its local rows (``None`` means the step has none).
-        query_len: Local query rows of the call (must equal ``meta.local_len``).
-        key_len: Padded sequence length ``S_full`` (part of the cache key).
-        device: Device the kernel will run on.
-    """
-    if meta is None:
-        return "missing varlen metadata"
-    signature = (int(query_len), int(key_len), str(device))
-    if signature not in meta._validated:
-        meta._validated[signature] = _metadata_shape_problem(meta, int(query_len), device)
-    return meta._validated[signature]
-
-
-def _metadata_shape_problem(meta: VarlenMeta, query_len: int, device: torch.device) -> str | None:
-    if query_len != meta.local_len:
-        return f"query length {query_len} != the step's local length {meta.local_len}"
-    for name, cu in (("cu_q", meta.cu_q), ("cu_k", meta.cu_k)):
-        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() != len(meta.q_lens) + 1:
-            return f"{name} must be int32 [n_segments + 1]"
-        if cu.device != torch.device(device):
-            return f"{name} is on {cu.device}, the kernel runs on {device}"
-    return None
-
-
 # ---------------------------------------------------------------------------
 # Kernels
 # ---------------------------------------------------------------------------
@@ -266,18 +262,29 @@ def _to_thd(x: torch.Tensor) -> torch.Tensor:
     return x[0].transpose(0, 1).contiguous()
 
 
-def _dense_mask(meta: VarlenMeta, device: torch.device) -> torch.Tensor:
-    """Boolean ``[n_real, K]`` mask: same document and key position <= query position."""
-    q_lens = torch.tensor(meta.q_lens, device=device)
-    k_lens = torch.tensor(meta.k_lens, device=device)
-    doc_q = torch.repeat_interleave(torch.arange(len(meta.q_lens), device=device), q_lens)
-    doc_k = torch.repeat_interleave(torch.arange(len(meta.k_lens), device=device), k_lens)
-    cu_q = meta.cu_q.to(device=device, dtype=torch.long)
-    cu_k = meta.cu_k.to(device=device, dtype=torch.long)
+def _dense_allowed(meta: VarlenMeta) -> torch.Tensor:
+    """Boolean ``[n_real, K]`` mask on the host: same document and key position <= query position."""
+    q_lens, k_lens = torch.tensor(meta.q_lens), torch.tensor(meta.k_lens)
+    doc_q = torch.repeat_interleave(torch.arange(len(meta.q_lens)), q_lens)
+    doc_k = torch.repeat_interleave(torch.arange(len(meta.k_lens)), k_lens)
+    cu_q = torch.tensor([0, *itertools.accumulate(meta.q_lens)])
+    cu_k = torch.tensor([0, *itertools.accumulate(meta.k_lens)])
     # Position inside the document; queries are shifted by the left straddle (bottom-right causal).
-    pos_q = torch.arange(meta.n_real, device=device) - cu_q[doc_q] + (k_lens - q_lens)[doc_q]
-    pos_k = torch.arange(meta.kv_len, device=device) - cu_k[doc_k]
+    pos_q = torch.arange(meta.n_real) - cu_q[doc_q] + (k_lens - q_lens)[doc_q]
+    pos_k = torch.arange(meta.kv_len) - cu_k[doc_k]
     return (doc_q[:, None] == doc_k[None, :]) & (pos_k[None, :] <= pos_q[:, None])
+
+
+def _dense_mask(meta: VarlenMeta, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The additive ``[n_real, K]`` mask of ``meta``: built once per step and shared by every layer.
+
+    Built on the host and copied once (building it on the device from the host
+    lists would cost host-device copies, i.e. syncs, in every layer).
+    """
+    key = (str(dtype), str(device))
+    if key not in meta._masks:
+        meta._masks[key] = _additive_mask(_dense_allowed(meta), dtype).to(device)
+    return meta._masks[key]
 
 
 def _dense(
@@ -300,10 +307,10 @@ def _dense(
             "dense CP attention with dropout on CPU uses the math SDPA kernel (materializes scores)",
         )
     out = TORCH_SDPA(
-        q[:, :, : meta.n_real],
+        q if meta.n_real == q.shape[2] else q[:, :, : meta.n_real],
         k,
         v,
-        attn_mask=_additive_mask(_dense_mask(meta, q.device), q.dtype),
+        attn_mask=_dense_mask(meta, q.dtype, q.device),
         dropout_p=dropout_p,
         scale=scale,
         enable_gqa=gqa,
@@ -342,16 +349,15 @@ class _PrefixThenCausal(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         grad = grad.contiguous()
-        dq = torch.zeros_like(q)
-        dks, dvs = [], []
+        dqs, dks, dvs = [], [], []
         for keys, causal in ctx.blocks:
             gq, gk, gv = _CPU_FLASH_BACKWARD(
                 grad, q, k[:, :, keys], v[:, :, keys], out, lse, 0.0, causal, scale=ctx.scale
             )
-            dq += gq
+            dqs.append(gq)
             dks.append(gk)
             dvs.append(gv)
-        return dq, torch.cat(dks, dim=2), torch.cat(dvs, dim=2), None
+        return dqs[0] + dqs[1], torch.cat(dks, dim=2), torch.cat(dvs, dim=2), None
 
 
 def _bottom_right_causal(
@@ -408,29 +414,36 @@ def _masked_tiles(
 def _sdpa_varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMeta, scale: float | None, dropout_p: float
 ) -> torch.Tensor:
-    """Per-document SDPA; documents of equal length share one batched ``is_causal`` call.
+    """Per-document SDPA; segments of the same shape share one batched call.
 
-    Memory stays O(tokens) for the square documents (the fused kernels skip
-    the masked half), and O(tile x document) for the one straddling document.
+    Square segments (keys start at their first row) run as ``is_causal`` SDPA,
+    segments with earlier keys as :func:`_bottom_right_causal`; either way
+    memory stays O(tokens) (the fused kernels skip the masked half), and on
+    short rows with many same-shape segments the per-call overhead is paid
+    once per shape, not per segment.
     """
     gqa = q.shape[1] != k.shape[1]
+    # One split per tensor, not a slice per segment: autograd fills one zero gradient per slice.
+    padding = q.shape[2] - meta.n_real
+    qs = q.split([*meta.q_lens, padding], dim=2)
+    ks, vs = k.split(meta.k_lens, dim=2), v.split(meta.k_lens, dim=2)
     outs: list[torch.Tensor | None] = [None] * len(meta.q_lens)
-    by_len: dict[int, list[tuple[int, int, int]]] = {}
-    for i, (q0, q_len, k0, k_len) in enumerate(meta.segments()):
-        if k_len == q_len:
-            by_len.setdefault(q_len, []).append((i, q0, k0))
+    for batch in meta.batches:
+        qb, kb, vb = (_stacked(parts, batch.indices) for parts in (qs, ks, vs))
+        if batch.k_len == batch.q_len:
+            ob = TORCH_SDPA(qb, kb, vb, is_causal=True, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
         else:
-            outs[i] = _bottom_right_causal(
-                q[:, :, q0 : q0 + q_len], k[:, :, k0 : k0 + k_len], v[:, :, k0 : k0 + k_len], scale, dropout_p, gqa
-            )
-    for n, docs in by_len.items():
-        qb = torch.cat([q[:, :, q0 : q0 + n] for _, q0, _ in docs])
-        kb = torch.cat([k[:, :, k0 : k0 + n] for _, _, k0 in docs])
-        vb = torch.cat([v[:, :, k0 : k0 + n] for _, _, k0 in docs])
-        ob = TORCH_SDPA(qb, kb, vb, is_causal=True, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
-        for j, (i, _, _) in enumerate(docs):
-            outs[i] = ob[j : j + 1]
-    return _pad_rows(torch.cat(outs, dim=2), meta.local_len)
+            ob = _bottom_right_causal(qb, kb, vb, scale, dropout_p, gqa)
+        for j, i in enumerate(batch.indices):
+            outs[i] = ob[j : j + 1] if len(batch.indices) > 1 else ob
+    if padding:
+        outs.append(qs[-1].new_zeros(qs[-1].shape))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+def _stacked(parts: tuple[torch.Tensor, ...], indices: tuple[int, ...]) -> torch.Tensor:
+    """``parts[i]`` (each ``[1, H, n, D]``) for ``i`` in ``indices``, stacked: ``[len(indices), H, n, D]``."""
+    return parts[indices[0]] if len(indices) == 1 else torch.cat([parts[i] for i in indices])
 
 
 def _flash(

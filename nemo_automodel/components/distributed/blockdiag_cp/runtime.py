@@ -6,18 +6,21 @@ CP group and runs the local queries against them with a per-document causal
 mask rebuilt from the replicated document ids.
 
 Every rank must take the same path, or the group's collectives desynchronize
-and hang. Hence: the path is decided from replicated data (document ids,
-configuration) plus small MIN-style consensus collectives; every downgrade
-names its reason; and a kernel failure on one rank makes *every* rank raise.
+and hang. Hence: the path is decided from replicated data (document ids, the
+step's options) and checked once per step by the agreement collective; every
+downgrade names its reason; and a kernel failure on one rank is recorded, the
+rank continues with zeros, and the step's settlement makes *every* rank raise.
+No attention call issues a control collective or a host sync of its own
+(``consensus="call"`` adds one per call and direction, for debugging).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -26,67 +29,51 @@ import torch.nn.functional as F
 
 from nemo_automodel.components.distributed.blockdiag_cp import consensus, cost, exchange, kernels
 from nemo_automodel.components.distributed.blockdiag_cp import state as state_module
-from nemo_automodel.components.distributed.blockdiag_cp.consensus import CallStatus, group_size
-from nemo_automodel.components.distributed.blockdiag_cp.exchange import ExchangeOp, KVPlan
+from nemo_automodel.components.distributed.blockdiag_cp.consensus import CallRecorder, group_size
+from nemo_automodel.components.distributed.blockdiag_cp.exchange import ExchangeOp, KVPlan, Route
 from nemo_automodel.components.distributed.blockdiag_cp.kernels import AttentionGroup
+from nemo_automodel.components.distributed.blockdiag_cp.logs import log_once
 from nemo_automodel.components.distributed.blockdiag_cp.state import StepState
 
 logger = logging.getLogger(__name__)
 
 # Torch's SDPA as imported, before any patch can replace the module attribute.
 _ORIGINAL_SDPA = F.scaled_dot_product_attention
-# Seed flags: the chosen path and the cross-node downgrade are each logged once per process.
-_KV_EXCHANGE_PATH_LOGGED = False
-_KV_XNODE_LOGGED = False
 
 
-@dataclass(frozen=True)
-class ExchangeStats:
-    """What the latest CP attention call on this rank did."""
+def exchange_stats(state: StepState | None = None) -> dict[str, Any] | None:
+    """What the CP attention calls of a step did on this rank, or ``None`` before the first call.
 
-    path: str
-    reason: str
-    attn_backend: str
-    kv_tokens_received: int
-    kv_bytes_received: int
-
-
-@dataclass
-class _WaitClock:
-    """Seconds this rank spent blocked on K/V exchanges (forward and backward) since the last reset."""
-
-    forward_s: float = 0.0
-    backward_s: float = 0.0
-    calls: int = 0
-
-
-_LAST_STATS: ExchangeStats | None = None
-_CLOCK = _WaitClock()
-_AUTO_PATHS_LOGGED: set[str] = set()
-
-
-def exchange_stats() -> dict[str, Any] | None:
-    """Stats of the latest CP attention call on this rank, or ``None`` before the first.
+    Args:
+        state: The step (default: the active step, else the most recently exited one).
 
     Returns:
-        ``{"path", "reason", "attn_backend", "kv_tokens_received", "kv_bytes_received"}`` of the
-        latest call, plus the time blocked on exchanges since :func:`reset_exchange_stats`:
+        ``{"path", "reason", "attn_backend", "kv_tokens_received", "kv_bytes_received"}`` (per call:
+        every layer of a step takes the same path), plus the step's time blocked on exchanges:
         ``exchange_wait_s`` (forward), ``exchange_backward_wait_s`` and ``exchange_calls``.
     """
-    if _LAST_STATS is None:
+    state = state or state_module.last_step_state()
+    if state is None or state.stats.path is None:
         return None
+    stats = state.stats
     return {
-        **asdict(_LAST_STATS),
-        "exchange_wait_s": _CLOCK.forward_s,
-        "exchange_backward_wait_s": _CLOCK.backward_s,
-        "exchange_calls": _CLOCK.calls,
+        "path": stats.path,
+        "reason": stats.reason,
+        "attn_backend": stats.attn_backend,
+        "kv_tokens_received": stats.kv_tokens_received,
+        "kv_bytes_received": stats.kv_bytes_received,
+        "exchange_wait_s": stats.exchange_wait_s,
+        "exchange_backward_wait_s": stats.exchange_backward_wait_s,
+        "exchange_calls": stats.exchange_calls,
     }
 
 
-def reset_exchange_stats() -> None:
-    """Zero the exchange wait clock (e.g. at the start of a step)."""
-    global _CLOCK
-    _CLOCK = _WaitClock()
+def reset_exchange_stats(state: StepState | None = None) -> None:
+    """Zero the time blocked on exchanges of ``state`` (default: the active or last step)."""
+    state = state or state_module.last_step_state()
+    if state is not None:
+        state.stats.exchange_wait_s = state.stats.exchange_backward_wait_s = 0.0
+        state.stats.exchange_calls = 0
 
 
 def _local_world_size() -> int:
@@ -111,10 +98,11 @@ def _cp_group_spans_nodes(group: dist.ProcessGroup | None) -> bool:
     world = group_size(group)
     local = _local_world_size()
     spans = 0 < local < world
-    global _KV_XNODE_LOGGED
-    if spans and not _KV_XNODE_LOGGED:
-        _KV_XNODE_LOGGED = True
-        logger.warning(
+    if spans:
+        log_once(
+            logger,
+            "cp-group-spans-nodes",
+            logging.WARNING,
             "needed-only KV exchange disabled: the CP group (cp_size=%d) spans nodes (local world size %d); "
             "using all-gather. Set NEMO_CP_ALLOW_XNODE=1 to force needed-only exchange across nodes.",
             world,
@@ -128,67 +116,30 @@ def _needed_only_kernel_succeeded_on_all_ranks(
 ) -> bool:
     """Collective: ``False`` on every rank when ``out is None`` on any rank.
 
-    An all-padding rank launches no kernel and always succeeds locally; it must
-    still learn that a peer's kernel failed before anyone starts another
-    collective. ``diagnostic`` is logged on the failing rank.
+    The per-call consensus of ``consensus="call"``. An all-padding rank launches
+    no kernel and always succeeds locally; it must still learn that a peer's
+    kernel failed before anyone starts another collective. ``diagnostic`` is
+    logged on the failing rank.
     """
     if out is None:
         logger.error("CP attention kernel failed on this rank: %s", diagnostic or "no diagnostic")
     return not consensus.failed_ranks(out is not None, group, device)
 
 
-def _snapshot_value(state: StepState | Mapping[str, Any], name: str) -> str | None:
-    if isinstance(state, Mapping):
-        return state.get(name)
-    return getattr(state, name)
-
-
 def _resolve_cp_varlen_config(state: StepState | Mapping[str, Any]) -> tuple[str, str]:
-    """``(attn_backend, kv_exchange)`` for this step: the state's snapshot wins, else the module config."""
-    configured = state_module.cp_varlen_runtime_config()
-    backend = _snapshot_value(state, "attn_backend")
-    kv_exchange = _snapshot_value(state, "kv_exchange")
-    return (
-        configured["attn_backend"] if backend is None else state_module.normalize_attn_backend(backend),
-        configured["kv_exchange"] if kv_exchange is None else state_module.normalize_kv_exchange(kv_exchange),
-    )
+    """``(attn_backend, kv_exchange)`` for this step.
 
-
-def _needed_only_preflight(
-    state: StepState,
-    group: dist.ProcessGroup | None,
-    backend: str,
-    query_dtype: torch.dtype,
-    device: torch.device,
-    query_len: int,
-    key_len: int,
-) -> tuple[bool, str | None]:
-    """MIN-consensus: can every rank run ``backend`` with this dtype, device and metadata?
-
-    Cached in the step state per ``(backend, dtype, device, query_len, key_len)``,
-    so one small all-reduce per step at most.
-
-    Returns:
-        ``(ok, reason_or_None)``; the reason names the failing ranks and, on a
-        failing rank, its own cause.
+    A step state carries its options; a mapping (the seed API's dict state) falls
+    back to the process default for a missing or ``None`` knob.
     """
-    key = (backend, str(query_dtype), str(device), int(query_len), int(key_len))
-    cached = state.cache.preflight.get(key)
-    if cached is not None:
-        return cached
-    local_reason = None
-    if backend != "auto":
-        local_reason = kernels.kernel_unavailable_reason(backend, query_dtype, device)
-    if local_reason is None:
-        local_reason = kernels._varlen_metadata_unavailable_reason(
-            state.varlen_meta, query_len=query_len, key_len=key_len, device=device
-        )
-    failed = consensus.failed_ranks(local_reason is None, group, device)
-    result: tuple[bool, str | None] = (True, None)
-    if failed:
-        result = (False, f"rank(s) {failed} cannot run {backend}" + (f" ({local_reason})" if local_reason else ""))
-    state.cache.preflight[key] = result
-    return result
+    if isinstance(state, StepState):
+        return state.options.attn_backend, state.options.kv_exchange
+    default = state_module.default_options()
+    backend, kv_exchange = state.get("attn_backend"), state.get("kv_exchange")
+    return (
+        default.attn_backend if backend is None else state_module.normalize_attn_backend(backend),
+        default.kv_exchange if kv_exchange is None else state_module.normalize_kv_exchange(kv_exchange),
+    )
 
 
 def _select_kv_exchange_path(
@@ -201,27 +152,30 @@ def _select_kv_exchange_path(
     query_dtype: torch.dtype | None = None,
     dropout_p: float = 0.0,
 ) -> tuple[str, KVPlan | None, str]:
-    """Decide this step's K/V path and say why.
+    """Decide this step's K/V path and say why (no communication: every input is replicated).
 
     Args:
-        state: The active step state (memoizes the plan and the preflight).
+        state: The active step state (memoizes the plan and ``auto``'s choice).
         group: The CP process group.
         doc_ids: Replicated document ids ``[B, S_full]`` (0 == pad).
         local_len: Local rows ``L``.
-        device: Device for consensus tensors.
+        device: Device of the attention inputs (picks ``auto``'s machine model).
         offset: Global position of this rank's first local row.
-        query_dtype: Query dtype for the kernel preflight (skipped when ``None``).
-        dropout_p: Attention dropout (every kernel supports it; kept for the seed signature).
+        query_dtype: Kept for the seed signature; whether the kernel can run is part of the
+            step agreement check, which makes every rank raise together when it cannot.
+        dropout_p: Kept for the seed signature (dropout never changes the path).
 
     Returns:
         ``(path, plan, reason)``: ``path`` is ``"halo"``, ``"a2a"`` or
         ``"allgather"``; ``plan`` is the memoized :class:`KVPlan` for the
         needed-only paths (``None`` for all-gather); ``reason`` names the cause.
     """
-    del dropout_p  # dropout never forces a downgrade: every kernel supports it
-    backend, kv_exchange = _resolve_cp_varlen_config(state)
+    del doc_ids, query_dtype, dropout_p  # the plan comes from the state's shard plan (the same ids)
+    _, kv_exchange = _resolve_cp_varlen_config(state)
     if offset != state.row_offset:
         raise ValueError(f"offset={offset} disagrees with the step state's row_offset={state.row_offset}")
+    if local_len != state.local_len:
+        raise ValueError(f"local_len={local_len} disagrees with the step state's local_len={state.local_len}")
     if group_size(group) == 1:
         return "allgather", None, "cp_size=1: nothing to exchange"
     if kv_exchange == "allgather":
@@ -230,10 +184,6 @@ def _select_kv_exchange_path(
         return "allgather", None, "no varlen metadata in the step state"
     if _cp_group_spans_nodes(group):
         return "allgather", None, "CP group spans nodes (set NEMO_CP_ALLOW_XNODE=1 to force needed-only)"
-    if query_dtype is not None:
-        ok, why = _needed_only_preflight(state, group, backend, query_dtype, device, local_len, doc_ids.shape[-1])
-        if not ok:
-            return "allgather", None, f"needed-only preflight failed: {why}"
     plan = _kv_plan(state)
     if kv_exchange == "auto":
         path, reason = _auto_choice(state, plan, device)
@@ -249,13 +199,13 @@ def _auto_choice(state: StepState, plan: KVPlan, device: torch.device) -> tuple[
     """``kv_exchange=auto``: the cost model's path for this step (same on every rank: replicated inputs)."""
     if state.cache.auto_choice is None:
         shape = state.cache.shape or cost.Shape()
-        path, reason, _ = cost.choose(state.shard_plan, plan, shape, cost.machine_for(device), state.overlap)
+        machine = cost.machine_for(device)
+        path, reason, _ = cost.choose(state.shard_plan, plan, shape, machine, state.options.overlap)
         state.cache.auto_choice = (path, reason)
         # each path's first pick at INFO; mixed rows flip the pick per step, which would flood the log
-        if path not in _AUTO_PATHS_LOGGED:
-            _AUTO_PATHS_LOGGED.add(path)
-            logger.info("%s (first pick of %s; every pick is logged at DEBUG)", reason, path)
-        else:
+        if not log_once(
+            logger, f"auto-path:{path}", logging.INFO, "%s (first pick of %s; every pick at DEBUG)", reason, path
+        ):
             logger.debug("%s", reason)
     return state.cache.auto_choice
 
@@ -267,139 +217,176 @@ def _kv_plan(state: StepState) -> KVPlan:
     return state.cache.kv_plan
 
 
-def _log_path(path: str, reason: str, kernel: str, state: StepState) -> None:
-    global _KV_EXCHANGE_PATH_LOGGED
-    if not _KV_EXCHANGE_PATH_LOGGED:
-        _KV_EXCHANGE_PATH_LOGGED = True
-        logger.info(
-            "block-diagonal CP: KV exchange path=%s (%s); kernel=%s; cp_size=%d local_len=%d",
-            path,
-            reason,
-            kernel,
-            state.cp_size,
-            state.local_len,
+def _route(state: StepState, device: torch.device) -> Route:
+    """The step's K/V route (path, plan, sends, where each group's keys are), built on the first call."""
+    if state.cache.route is None:
+        path, plan, reason = _select_kv_exchange_path(
+            state, state.group, state.doc_ids, state.local_len, device, state.row_offset
         )
+        ranges = [group.kv_ranges for group in state.groups]
+        state.cache.route = exchange.make_route(
+            path, reason, plan, ranges, state.cp_rank, state.cp_size, state.local_len
+        )
+    return state.cache.route
 
 
-def _agree_on_step(state: StepState, query: torch.Tensor, key: torch.Tensor) -> None:
+def _kernel_for(state: StepState, query: torch.Tensor) -> tuple[str | None, str | None]:
+    """``(kernel, None)`` for this call's dtype/device, or ``(None, why no kernel can run)``; memoized per step."""
+    key = (str(query.dtype), str(query.device))
+    if key not in state.cache.kernel:
+        try:
+            state.cache.kernel[key] = (
+                kernels.select_kernel(state.options.attn_backend, query.dtype, query.device),
+                None,
+            )
+        except ValueError as exc:  # an explicit kernel that cannot run here
+            state.cache.kernel[key] = (None, str(exc))
+    return state.cache.kernel[key]
+
+
+def _agreement_fields(
+    state: StepState, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel: str, route: Route
+) -> dict[str, Any]:
+    """What every CP rank of a step must agree on: options, resolved kernel and path, lengths, layout, shapes."""
+    plan = state.shard_plan
+    options = state.options
+    return {
+        "cp_size": state.cp_size,
+        "sequence length": plan.runs.total_len,
+        "local length": state.local_len,
+        "attn_backend": options.attn_backend,
+        "resolved kernel": kernel,
+        "kv_exchange": options.kv_exchange,
+        "resolved kv path": route.path,
+        "layout": plan.layout,
+        "overlap": options.overlap,
+        "consensus": options.consensus,
+        "document layout": (plan.runs.starts, plan.runs.ends, plan.pieces),
+        "query/key/value shapes and dtype": (
+            tuple(query.shape),
+            tuple(key.shape),
+            tuple(value.shape),
+            str(query.dtype),
+        ),
+    }
+
+
+def _agree_on_step(
+    state: StepState, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel: str, route: Route
+) -> None:
     """On the step's first call: every rank must run the same configuration on the same layout.
 
-    Runs before any path-dependent collective, so a disagreement (a rank with a
-    different ``kv_exchange``, kernel, sequence length, document layout or
-    q/k/v shape) makes every rank raise the same error instead of hanging in
-    mismatched collectives. Later calls are not re-checked (a rank whose shapes
-    change mid-step while its peers' do not is not detected).
+    One all-reduce, before any path-dependent collective, so a disagreement (a
+    rank with different options, kernel availability, exchange path, sequence
+    length, document layout or q/k/v shape) makes every rank raise the same
+    error instead of hanging in mismatched collectives. Later calls are not
+    re-checked (a rank whose shapes change mid-step while its peers' do not is
+    not detected).
     """
     if state.cache.agreed or state.cp_size == 1:
         return
-    backend, kv_exchange = _resolve_cp_varlen_config(state)
-    plan = state.shard_plan
-    consensus.check_step_agreement(
-        {
-            "cp_size": state.cp_size,
-            "sequence length": plan.runs.total_len,
-            "local length": state.local_len,
-            "attn_backend": backend,
-            "kv_exchange": kv_exchange,
-            "layout": plan.layout,
-            "overlap": state.overlap,
-            "document layout": (plan.runs.starts, plan.runs.ends, plan.pieces),
-            "query/key shapes and dtype": (tuple(query.shape), tuple(key.shape), str(query.dtype)),
-        },
-        state.group,
-        query.device,
-    )
+    fields = _agreement_fields(state, query, key, value, kernel, route)
+    consensus.check_step_agreement(fields, state.group, query.device)
     state.cache.agreed = True
-
-
-def _group_keys(
-    group: AttentionGroup,
-    kv: torch.Tensor,
-    received: torch.Tensor | None,
-    path: str,
-    plan: KVPlan | None,
-    state: StepState,
-) -> torch.Tensor:
-    """Packed keys ``[1, C, K, D]`` of one attention group."""
-    if group.local:
-        base = state.row_offset
-        parts = [kv[:, :, s - base : e - base] for s, e in group.kv_ranges]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
-    return exchange.assemble(kv, received, path, state.cp_rank, state.local_len, group.kv_ranges, plan)
 
 
 def _run_group(
     group: AttentionGroup,
     query: torch.Tensor,
-    packed: torch.Tensor,
-    n_kv_heads: int,
+    key: torch.Tensor,
+    value: torch.Tensor,
     kernel: str,
-    status: CallStatus,
+    recorder: CallRecorder,
     scale: float | None,
     dropout_p: float,
 ) -> torch.Tensor:
-    """Guarded kernel call on the group's rows ``[1, Hq, n_rows, D]``."""
-    key, value = packed.split(n_kv_heads, dim=1)
+    """Guarded kernel call on the group's rows ``query [1, Hq, n_rows, D]`` over its packed ``[1, Hkv, K, D]`` keys."""
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return kernels.blockdiag_attention(kernel, q, k, v, group.meta, scale, dropout_p)
 
-    describe = f"kernel={kernel} {'local' if group.local else 'remote'} group: {group.meta.describe()}"
-    return consensus.guarded(attend, status, describe, group.take_rows(query), key, value)
+    describe = f"kernel={kernel} {group.label}"
+    return consensus.guarded(attend, recorder, describe, query, key, value)
+
+
+def _query_parts(state: StepState, query: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Each group's query rows ``[1, Hq, n_g, D]`` and the padding rows, in group order.
+
+    One ``split`` when every group's rows are contiguous (they then tile the
+    real rows in order): autograd fills one zero gradient for it, not one per slice.
+    """
+    padding = state.local_len - state.segments.n_real
+    if all(isinstance(group.rows, tuple) for group in state.groups):
+        sizes = [group.rows[1] - group.rows[0] for group in state.groups]
+        parts = query.split([*sizes, padding], dim=2)
+        return list(parts[:-1]), parts[-1]
+    return [group.take_rows(query) for group in state.groups], query[:, :, state.segments.n_real :]
 
 
 def _attend(
     state: StepState,
-    path: str,
-    plan: KVPlan | None,
+    route: Route,
     kernel: str,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     scale: float | None,
     dropout_p: float,
+    recorder: CallRecorder,
 ) -> torch.Tensor:
     """Exchange K/V and attend every group; local-key groups run while the exchange is in flight.
 
     Returns:
-        ``[1, Hq, L, D]`` in local row order; padding rows are zero.
+        ``[1, Hq, L, Dv]`` in local row order; padding rows are zero.
     """
-    kv = torch.cat((key, value), dim=1)  # one collective moves both: [1, 2 * Hkv, L, D]
-    status = CallStatus()
-    what = f"path={path} kernel={kernel}"
+    local = (key.split(route.local_cuts, dim=2), value.split(route.local_cuts, dim=2))
     op: ExchangeOp | None = None
     token = received = None
     if state.cp_size > 1:
-        op = exchange.make_exchange_op(path, state.group, state.cp_rank, state.cp_size, plan)
-        op.after_backward = lambda: _after_backward(op, status, state, query.device, what)
-        token = exchange.post(kv, op)
-        if not state.overlap:
+        op = route.new_op(state.group, state.cp_rank, state.cp_size)
+        op.after_backward = functools.partial(_after_backward, state, op, recorder, query.device)
+        token = exchange.post(exchange.send_buffer(key, value, local, route.send_chunks), op)
+        if not state.options.overlap:
             received = exchange.wait(token, op)
+    remote: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None
+    queries, padding = _query_parts(state, query)
     outputs = []
-    for group in state.groups:  # local group first when it exists: it needs nothing from the exchange
-        if not group.local and received is None:
-            received = exchange.wait(token, op)
-        packed = _group_keys(group, kv, received, path, plan, state)
-        outputs.append(_run_group(group, query, packed, key.shape[1], kernel, status, scale, dropout_p))
+    for group, q, runs in zip(state.groups, queries, route.sources):  # local group first: needs nothing received
+        if not group.local and remote is None:
+            received = received if received is not None else exchange.wait(token, op)
+            remote = exchange.split_received(received, key, value, route.received_cuts)
+        k = exchange.assemble(local[0], None if remote is None else remote[0], runs)
+        v = exchange.assemble(local[1], None if remote is None else remote[1], runs)
+        outputs.append(_run_group(group, q, k, v, kernel, recorder, scale, dropout_p))
     if op is not None and received is None:
         received = exchange.wait(token, op)
-    n_real = state.segments.n_real
-    parts = [] if received is None else [exchange.anchor_like(query, received)]
-    parts += [*outputs, kernels.zeros_attached(query[:, :, n_real:])] if n_real < state.local_len else outputs
+    parts = [] if received is None else [exchange.anchor_like(query.shape[1], value.shape[3], received)]
+    parts += [*outputs, kernels.zeros_attached(padding)] if padding.shape[2] else outputs
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
     if state.merge_index is not None:
         out = out.index_select(2, state.merge_index)
     if op is not None:
-        _CLOCK.forward_s += op.wait_s
-        _CLOCK.calls += 1
-    status.raise_if_failed("forward", state.group, query.device, state.cp_rank, what)
+        state.stats.exchange_wait_s += op.wait_s
+        state.stats.exchange_calls += 1
+    if state.options.consensus == "call":
+        _settle_call(state, recorder, "forward", query.device)
     return out
 
 
-def _after_backward(op: ExchangeOp, status: CallStatus, state: StepState, device: torch.device, what: str) -> None:
-    """Runs when a layer's reverse exchange completed: account its wait and agree on backward failures."""
-    _CLOCK.backward_s += op.backward_wait_s
-    status.raise_if_failed("backward", state.group, device, state.cp_rank, what)
+def _after_backward(state: StepState, op: ExchangeOp, recorder: CallRecorder, device: torch.device) -> None:
+    """Runs when a layer's reverse exchange completed: account its wait (and, per call, agree on failures)."""
+    state.stats.exchange_backward_wait_s += op.backward_wait_s
+    if state.options.consensus == "call":
+        _settle_call(state, recorder, "backward", device)
+
+
+def _settle_call(state: StepState, recorder: CallRecorder, direction: str, device: torch.device) -> None:
+    """``consensus="call"``: after this call's ``direction``, agree whether it failed anywhere; if so all raise."""
+    failed_here = recorder.failed(direction)
+    diagnostic = "; ".join(text for call, text in getattr(state.failures, direction) if call == recorder.call)
+    sentinel = None if failed_here else torch.empty(0)
+    if not _needed_only_kernel_succeeded_on_all_ranks(sentinel, state.group, device, diagnostic):
+        consensus.settle_step([state.failures], state.group, device)  # names every failing rank, then raises
 
 
 def cp_blockdiag_sdpa(
@@ -436,7 +423,11 @@ def cp_blockdiag_sdpa(
         ``[1, Hq, L, D]``; padding rows are zero.
 
     Raises:
-        RuntimeError: on every rank when the kernel failed on any rank.
+        RuntimeError: on every rank, when the step agreement fails, or (``consensus="call"``)
+            when a kernel failed on any rank. With the default ``consensus="step"`` kernel
+            failures are raised on every rank when the step's context exits (or by the
+            recipe's step all-reduce).
+        ValueError: on every rank, when the requested kernel cannot run on some rank.
     """
     state = state_module.current_step_state()
     if state is None:
@@ -452,29 +443,37 @@ def cp_blockdiag_sdpa(
             **kwargs,
         )
     kernels.validate_qkv(query, key, value, enable_gqa, state.local_len)
-    state_module.record_cp_attn_call()
-    if state.check_finite:  # device-side flags, read once per step: no host sync per layer
-        state.cache.finite.append(torch.stack([t.isfinite().all() for t in (query, key, value)]))
-    _agree_on_step(state, query, key)
-    state.cache.shape = cost.Shape(query.shape[1], key.shape[1], query.shape[3], query.element_size())
-    path, plan, reason = _select_kv_exchange_path(
-        state,
-        state.group,
-        state.doc_ids,
-        query.shape[2],
-        query.device,
-        state.row_offset,
-        query_dtype=query.dtype,
-        dropout_p=dropout_p,
+    call = state.stats.calls
+    state.stats.calls += 1
+    if state.options.check_finite:  # device-side flags, read once per step: no host sync per layer
+        # An fp32 sum is non-finite exactly when some element is (activations never reach 3e38), and it
+        # is one read of each tensor instead of an element-wise mask and a reduction.
+        sums = [t.detach().sum(dtype=torch.float32) for t in (query, key, value)]
+        state.cache.finite.append(torch.stack(sums).isfinite())
+    if state.cache.shape is None:
+        state.cache.shape = cost.Shape(query.shape[1], key.shape[1], query.shape[3], query.element_size())
+    kernel, unavailable = _kernel_for(state, query)
+    route = _route(state, query.device)
+    _agree_on_step(state, query, key, value, kernel or f"unavailable: {unavailable}", route)
+    if kernel is None:  # every rank agreed that it cannot run: all raise here, together
+        raise ValueError(unavailable)
+    log_once(
+        logger,
+        "kv-path",
+        logging.INFO,
+        "block-diagonal CP: KV exchange path=%s (%s); kernel=%s; cp_size=%d local_len=%d",
+        route.path,
+        route.reason,
+        kernel,
+        state.cp_size,
+        state.local_len,
     )
-    backend, _ = _resolve_cp_varlen_config(state)
-    kernel = kernels.select_kernel(backend, query.dtype, query.device)
-    _log_path(path, reason, kernel, state)
-    out = _attend(state, path, plan, kernel, query, key, value, scale, dropout_p)
-    received = plan.remote_tokens(state.cp_rank) if plan is not None else state.local_len * (state.cp_size - 1)
-    global _LAST_STATS
-    bytes_per_token = 2 * key.shape[1] * key.shape[3] * key.element_size()
-    _LAST_STATS = ExchangeStats(path, reason, kernel, received, received * bytes_per_token)
+    out = _attend(state, route, kernel, query, key, value, scale, dropout_p, CallRecorder(state.failures, call))
+    stats = state.stats
+    stats.path, stats.reason, stats.attn_backend = route.path, route.reason, kernel
+    stats.kv_tokens_received = route.received_tokens
+    row_bytes = key.shape[1] * (key.shape[3] + value.shape[3]) * key.element_size()
+    stats.kv_bytes_received = route.received_tokens * row_bytes
     return out
 
 

@@ -8,9 +8,11 @@ the batch builder and the recipe's config schema all derive the accepted values
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
@@ -19,7 +21,7 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
     from nemo_automodel.components.distributed.blockdiag_cp.cost import Shape
-    from nemo_automodel.components.distributed.blockdiag_cp.exchange import KVPlan
+    from nemo_automodel.components.distributed.blockdiag_cp.exchange import KVPlan, Route
     from nemo_automodel.components.distributed.blockdiag_cp.kernels import AttentionGroup, VarlenMeta
     from nemo_automodel.components.distributed.blockdiag_cp.layout import RankSegments, ShardPlan
 
@@ -97,18 +99,80 @@ def normalize_layout(value: Any) -> str:
     return _normalize(value, "layout", LAYOUT_SYNONYMS, LAYOUT_DEFAULT)
 
 
+CONSENSUS_SYNONYMS: dict[str, tuple[str, ...]] = {
+    "step": ("step", "per_step", "deferred"),
+    "call": ("call", "per_call", "debug"),
+}
+# `step`: a kernel failure is recorded on its rank and settled once per step (no collective per call);
+# `call`: every CP attention call ends with a failure consensus (one all-reduce and host sync per call
+# and direction: for debugging, it names the failing call at once).
+CONSENSUS_DEFAULT = "step"
+CONSENSUS_VALUES: tuple[str, ...] = tuple(CONSENSUS_SYNONYMS)
+
+
+def normalize_consensus(value: Any) -> str:
+    """Canonicalize a ``consensus`` knob to one of :data:`CONSENSUS_VALUES`."""
+    return _normalize(value, "consensus", CONSENSUS_SYNONYMS, CONSENSUS_DEFAULT)
+
+
+def _require_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: expected True or False, got {value!r}")
+
+
 @dataclass(frozen=True)
-class RuntimeConfig:
-    """Process-wide defaults, used when a step state carries no snapshot."""
+class CPOptions:
+    """Every block-diagonal CP knob of a step, validated and canonical.
+
+    Synonyms are parsed once, here; the object is frozen, so a step's knobs
+    cannot change under it. The batch builder snapshots one into each step state
+    and the runtime reads only that snapshot.
+
+    Attributes:
+        attn_backend: Kernel (``auto`` or a kernel name; any synonym).
+        kv_exchange: ``auto``, ``allgather``, ``halo`` or ``a2a`` (any synonym).
+        layout: ``auto``, ``contiguous`` or ``balanced`` (any synonym).
+        overlap: Attend local-key documents while the K/V exchange is in flight.
+        check_finite: Record, without a host sync, whether each call's q/k/v are finite.
+        attn_shape: The model's attention shape for ``layout=auto``'s cost model
+            (``cost.Shape``; ``None``: a generic 8 x 128 bf16 shape).
+        consensus: ``step`` (settle kernel failures once per step) or ``call`` (after
+            every call; debugging).
+    """
 
     attn_backend: str = ATTN_BACKEND_DEFAULT
     kv_exchange: str = KV_EXCHANGE_DEFAULT
     layout: str = LAYOUT_DEFAULT
     overlap: bool = True
     check_finite: bool = True
+    attn_shape: Shape | None = None
+    consensus: str = CONSENSUS_DEFAULT
+
+    def __post_init__(self) -> None:
+        from nemo_automodel.components.distributed.blockdiag_cp.cost import Shape  # cost imports this leaf
+
+        canonical = {
+            "attn_backend": normalize_attn_backend(self.attn_backend),
+            "kv_exchange": normalize_kv_exchange(self.kv_exchange),
+            "layout": normalize_layout(self.layout),
+            "consensus": normalize_consensus(self.consensus),
+        }
+        for name, value in canonical.items():
+            object.__setattr__(self, name, value)
+        _require_bool("overlap", self.overlap)
+        _require_bool("check_finite", self.check_finite)
+        if self.attn_shape is not None and not isinstance(self.attn_shape, Shape):
+            raise ValueError(
+                f"attn_shape: expected blockdiag_cp.cost.Shape(heads, kv_heads, head_dim, elem_bytes) or None, "
+                f"got {type(self.attn_shape).__name__}"
+            )
+
+    def replace(self, **changes: Any) -> CPOptions:
+        """A copy with ``changes`` applied (validated like a new object)."""
+        return dataclasses.replace(self, **changes)
 
 
-_RUNTIME_CONFIG = RuntimeConfig()
+_DEFAULT_OPTIONS = CPOptions()
 
 
 def configure_cp_varlen(
@@ -118,38 +182,42 @@ def configure_cp_varlen(
     layout: str | None = None,
     overlap: bool = True,
     check_finite: bool = True,
+    consensus: str | None = None,
 ) -> None:
-    """Set the process-wide block-diagonal CP defaults.
+    """Set the process default :class:`CPOptions` for callers that pass no options to the batch builder.
 
-    Every value is validated before anything changes, so a bad value leaves the
-    previous configuration in place.
+    The training path never reads this default: the batch builder snapshots
+    options into each step state (the recipe passes its own). Every value is
+    validated before anything changes, so a bad value leaves the previous default in place.
 
     Args:
         attn_backend: Kernel name or synonym (``None``/``""``/``"default"`` -> ``auto``).
         kv_exchange: Exchange name or synonym (``None``/``""``/``"default"`` -> ``halo``).
-        layout: ``contiguous`` or ``balanced`` (``None`` -> ``contiguous``).
+        layout: ``contiguous``, ``balanced`` or ``auto`` (``None`` -> ``contiguous``).
         overlap: Compute local-key segments while the K/V exchange is in flight.
         check_finite: Record, without a host sync, whether every call's q/k/v are finite
             (read once per step with ``nonfinite_attention_inputs``).
+        consensus: ``step`` (default) or ``call`` (see :class:`CPOptions`).
     """
-    global _RUNTIME_CONFIG
-    _RUNTIME_CONFIG = RuntimeConfig(
-        normalize_attn_backend(attn_backend),
-        normalize_kv_exchange(kv_exchange),
-        normalize_layout(layout),
-        bool(overlap),
-        bool(check_finite),
-    )
+    global _DEFAULT_OPTIONS
+    _DEFAULT_OPTIONS = CPOptions(attn_backend, kv_exchange, layout, overlap, check_finite, None, consensus)
+
+
+def default_options() -> CPOptions:
+    """The process default set by :func:`configure_cp_varlen`."""
+    return _DEFAULT_OPTIONS
 
 
 def cp_varlen_runtime_config() -> dict[str, Any]:
-    """Return the configured ``{"attn_backend", "kv_exchange", "layout", "overlap", "check_finite"}``."""
+    """The process default as ``{"attn_backend", "kv_exchange", "layout", "overlap", "check_finite", "consensus"}``."""
+    options = _DEFAULT_OPTIONS
     return {
-        "attn_backend": _RUNTIME_CONFIG.attn_backend,
-        "kv_exchange": _RUNTIME_CONFIG.kv_exchange,
-        "layout": _RUNTIME_CONFIG.layout,
-        "overlap": _RUNTIME_CONFIG.overlap,
-        "check_finite": _RUNTIME_CONFIG.check_finite,
+        "attn_backend": options.attn_backend,
+        "kv_exchange": options.kv_exchange,
+        "layout": options.layout,
+        "overlap": options.overlap,
+        "check_finite": options.check_finite,
+        "consensus": options.consensus,
     }
 
 
@@ -158,30 +226,113 @@ class StepCache:
     """Values computed lazily during one step and reused by every layer and by recompute.
 
     Attributes:
-        kv_plan: The replicated exchange plan (set on the first needed-only call).
-        preflight: ``(backend, dtype, device, query_len, key_len) -> (ok, reason)``.
+        kv_plan: The replicated needed-only exchange plan (set on the first call that needs it).
         agreed: Whether the step-start agreement check passed.
+        kernel: ``(dtype, device) -> `` the concrete kernel, or the reason none can run.
+        route: The step's K/V route (path, plan, reason, per-group key sources), set on the first call.
         auto_choice: ``kv_exchange=auto``'s ``(path, reason)`` for this step.
-        shape: The attention shape of the current call (for the cost model).
+        shape: The attention shape of the first call (for the cost model).
         finite: Per CP call, a device bool ``[3]``: are q, k, v all finite (no host sync).
     """
 
     kv_plan: KVPlan | None = None
-    preflight: dict[tuple[str, str, str, int, int], tuple[bool, str | None]] = field(default_factory=dict)
     agreed: bool = False
+    kernel: dict[tuple[str, str], tuple[str | None, str | None]] = field(default_factory=dict)
+    route: Route | None = None
     auto_choice: tuple[str, str] | None = None
     shape: Shape | None = None
     finite: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
+class StepStats:
+    """What this step's CP attention calls did on this rank (read with ``exchange_stats``).
+
+    Attributes:
+        calls: CP attention calls (forward and activation-checkpoint recompute).
+        path / reason: The K/V exchange path and why it was chosen.
+        attn_backend: The concrete kernel the calls ran.
+        kv_tokens_received / kv_bytes_received: K/V one call received (the same for every layer).
+        exchange_wait_s / exchange_backward_wait_s: Seconds blocked on the exchange, forward / backward.
+        exchange_calls: Exchanges posted.
+    """
+
+    calls: int = 0
+    path: str | None = None
+    reason: str | None = None
+    attn_backend: str | None = None
+    kv_tokens_received: int = 0
+    kv_bytes_received: int = 0
+    exchange_wait_s: float = 0.0
+    exchange_backward_wait_s: float = 0.0
+    exchange_calls: int = 0
+
+
+@dataclass
+class FailureLog:
+    """Kernel failures recorded on this rank during one step: ``(CP call index, diagnostic)`` per direction.
+
+    A failing kernel yields zeros so every collective of the step stays in
+    lockstep; the log is settled once per step (``consensus.settle_step``, or
+    the recipe's step all-reduce) and every rank raises together.
+    """
+
+    forward: list[tuple[int, str]] = field(default_factory=list)
+    backward: list[tuple[int, str]] = field(default_factory=list)
+
+    def record(self, direction: str, call: int, diagnostic: str) -> None:
+        """Note that CP attention call ``call`` failed in ``direction`` (``forward``/``backward``)."""
+        getattr(self, direction).append((call, diagnostic))
+
+    def first(self, direction: str) -> int | None:
+        """Index of the first failing call in ``direction`` (``None``: none failed)."""
+        entries = getattr(self, direction)
+        return min(call for call, _ in entries) if entries else None
+
+    def __bool__(self) -> bool:
+        return bool(self.forward or self.backward)
+
+
+@dataclass(frozen=True)
+class BlockdiagCpModelState:
+    """The model-facing, read-only view of an active block-diagonal CP step.
+
+    Models with their own sequence mixers (recurrent layers, convolutions) or
+    that embed inputs inside ``forward`` (``shard_primary=False``) read it with
+    ``current_blockdiag_cp_state()``.
+
+    Attributes:
+        group: The CP process group (``None`` when ``cp_size == 1``).
+        packed_cu_seqlens: Boundaries of the physical packed row ``[n_runs + 1]`` on the compute
+            device: documents (pieces of documents under the balanced layout) and padding runs.
+        packed_cu_seqlens_cpu: The same boundaries on the host.
+        cp_rank: This rank in the CP group.
+        cp_size: CP ranks.
+        row_offset: Physical position of this rank's first local row.
+        local_len: Local rows ``L`` per rank.
+        padded_seq_len: ``S_full = cp_size * L``.
+        layout: ``contiguous`` or ``balanced``.
+        positions: Original (padded-row) position of every local row ``[L]`` on the compute device.
+    """
+
+    group: dist.ProcessGroup | None
+    packed_cu_seqlens: torch.Tensor
+    packed_cu_seqlens_cpu: torch.Tensor
+    cp_rank: int
+    cp_size: int
+    row_offset: int
+    local_len: int
+    padded_seq_len: int
+    layout: str
+    positions: torch.Tensor
+
+
+@dataclass
 class StepState:
     """Everything one training step's CP attention calls need, fixed at batch-build time.
 
-    Public, model-facing fields: ``doc_ids``, ``packed_cu_seqlens``,
-    ``packed_cu_seqlens_cpu``, ``row_offset``, ``local_len``, ``cp_rank``,
-    ``cp_size``, ``group`` and ``shard_plan`` (``shard_plan.permutation`` maps
-    physical to original positions under the balanced layout).
+    Internal to the package and the step's owner; models read :attr:`model_view`
+    (``current_blockdiag_cp_state()``).
 
     Attributes:
         group: The CP process group (``None`` only when ``cp_size == 1``).
@@ -197,14 +348,13 @@ class StepState:
         groups: This rank's attention groups (local keys first, then remote keys).
         merge_index: Row permutation restoring local order after concatenating the
             groups' outputs and the padding rows (``None``: already in order).
-        packed_cu_seqlens: Boundaries of the physical row ``[n_runs + 1]`` (device): documents
-            (pieces, under the balanced layout) and padding runs.
+        packed_cu_seqlens: Boundaries of the physical row ``[n_runs + 1]`` (device).
         packed_cu_seqlens_cpu: The same boundaries on the host.
-        attn_backend: Snapshot of the kernel knob (``None`` -> module config).
-        kv_exchange: Snapshot of the exchange knob (``None`` -> module config).
-        overlap: Compute local-key segments while the exchange is in flight.
-        check_finite: Record whether each call's q/k/v are finite (see ``StepCache.finite``).
-        cache: Per-step memo (plan, preflight results).
+        positions: Original position of each local row ``[L]`` (device).
+        options: The step's knobs (frozen).
+        cache: Per-step memo (agreement, kernel, route).
+        stats: What the calls did (path, K/V received, time blocked on exchanges).
+        failures: Kernel failures recorded on this rank, settled once per step.
     """
 
     group: dist.ProcessGroup | None
@@ -220,11 +370,27 @@ class StepState:
     merge_index: torch.Tensor | None
     packed_cu_seqlens: torch.Tensor
     packed_cu_seqlens_cpu: torch.Tensor
-    attn_backend: str | None = None
-    kv_exchange: str | None = None
-    overlap: bool = True
-    check_finite: bool = True
+    positions: torch.Tensor
+    options: CPOptions = field(default_factory=CPOptions)
     cache: StepCache = field(default_factory=StepCache)
+    stats: StepStats = field(default_factory=StepStats)
+    failures: FailureLog = field(default_factory=FailureLog)
+
+    @cached_property
+    def model_view(self) -> BlockdiagCpModelState:
+        """The frozen view handed to models."""
+        return BlockdiagCpModelState(
+            group=self.group,
+            packed_cu_seqlens=self.packed_cu_seqlens,
+            packed_cu_seqlens_cpu=self.packed_cu_seqlens_cpu,
+            cp_rank=self.cp_rank,
+            cp_size=self.cp_size,
+            row_offset=self.row_offset,
+            local_len=self.local_len,
+            padded_seq_len=self.shard_plan.runs.total_len,
+            layout=self.shard_plan.layout,
+            positions=self.positions,
+        )
 
 
 T = TypeVar("T")
@@ -258,43 +424,21 @@ class ThreadSharedSlot(Generic[T]):
 
 
 _STEP_STATE: ThreadSharedSlot[StepState] = ThreadSharedSlot()
-
-
-@contextlib.contextmanager
-def activate_step_state(step_state: StepState) -> Iterator[StepState]:
-    """Make ``step_state`` the active one; restore the previous state on exit, also on exceptions."""
-    token = _STEP_STATE.set(step_state)
-    try:
-        yield step_state
-    finally:
-        _STEP_STATE.reset(token)
-
-
-def current_step_state() -> StepState | None:
-    """Return the active per-step CP state, or ``None`` outside a step context."""
-    return _STEP_STATE.get()
-
-
-def current_blockdiag_cp_state() -> StepState | None:
-    """Model-facing view of the active step (see :class:`StepState` for the public fields).
-
-    Models with their own sequence mixers (e.g. recurrent layers) read the global
-    packed boundaries ``packed_cu_seqlens`` / ``packed_cu_seqlens_cpu`` and the
-    contiguous layout (``row_offset``, ``local_len``) from here.
-    """
-    return _STEP_STATE.get()
+# The most recently exited step state: read only by the seed API's `exchange_stats()` and
+# `cp_attn_fire_count()` after a step, never by the step path.
+_LAST_STATE: ThreadSharedSlot[StepState] = ThreadSharedSlot()
 
 
 class _FireCounter:
-    """Counts CP attention calls so a recipe can fail loudly when CP never engaged."""
+    """CP attention calls of exited steps, so the seed API's fire count spans steps until reset."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._count = 0
 
-    def increment(self) -> None:
+    def add(self, calls: int) -> None:
         with self._lock:
-            self._count += 1
+            self._count += calls
 
     def reset(self) -> None:
         with self._lock:
@@ -305,19 +449,52 @@ class _FireCounter:
         return self._count
 
 
-_FIRE_COUNTER = _FireCounter()
+_EXITED_CALLS = _FireCounter()
+
+
+@contextlib.contextmanager
+def activate_step_state(step_state: StepState) -> Iterator[StepState]:
+    """Make ``step_state`` the active one; restore the previous state on exit, also on exceptions."""
+    token = _STEP_STATE.set(step_state)
+    _EXITED_CALLS.add(-step_state.stats.calls)  # while active, its calls are counted from the state itself
+    try:
+        yield step_state
+    finally:
+        _STEP_STATE.reset(token)
+        _LAST_STATE.set(step_state)
+        _EXITED_CALLS.add(step_state.stats.calls)
+
+
+def current_step_state() -> StepState | None:
+    """Return the active per-step CP state (internal), or ``None`` outside a step context."""
+    return _STEP_STATE.get()
+
+
+def last_step_state() -> StepState | None:
+    """The active step state, else the most recently exited one (``None`` before any step)."""
+    return _STEP_STATE.get() or _LAST_STATE.get()
+
+
+def current_blockdiag_cp_state() -> BlockdiagCpModelState | None:
+    """The frozen model-facing view of the active step (:class:`BlockdiagCpModelState`), or ``None``.
+
+    Models with their own sequence mixers (e.g. recurrent layers) read the global
+    packed boundaries ``packed_cu_seqlens`` / ``packed_cu_seqlens_cpu``, the group
+    and where their rows came from (``row_offset``, ``positions``) here.
+    """
+    active = _STEP_STATE.get()
+    return None if active is None else active.model_view
 
 
 def cp_attn_fire_count() -> int:
-    """Number of CP attention calls (forward and recompute) since the last reset."""
-    return _FIRE_COUNTER.value
+    """CP attention calls (forward and recompute) since the last reset, the active step's included."""
+    active = _STEP_STATE.get()
+    return _EXITED_CALLS.value + (active.stats.calls if active is not None else 0)
 
 
 def reset_cp_attn_fire_count() -> None:
-    """Zero the CP attention fire counter."""
-    _FIRE_COUNTER.reset()
-
-
-def record_cp_attn_call() -> None:
-    """Count one CP attention call (called by the runtime)."""
-    _FIRE_COUNTER.increment()
+    """Zero the CP attention fire count (the active step's calls so far included)."""
+    _EXITED_CALLS.reset()
+    active = _STEP_STATE.get()
+    if active is not None:
+        _EXITED_CALLS.add(-active.stats.calls)
