@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -15,6 +18,7 @@ from nemo_automodel.components.distributed.blockdiag_cp import (
     configure_cp_varlen,
     cp_blockdiag_sdpa,
     exchange_stats,
+    gpu_kernels,
     kernels,
     make_cp_blockdiag_batch_and_ctx,
 )
@@ -24,12 +28,34 @@ FAKES = Path(__file__).parent / "fakes"
 LOCAL = 16  # local rows per rank in the standard layouts
 
 
-def use_fake_kernels() -> None:
-    """Put the flash-attn / TransformerEngine stand-ins on the path and let them run on CPU in any dtype."""
-    if str(FAKES) not in sys.path:
-        sys.path.insert(0, str(FAKES))
-    for name in ("flash", "te"):
-        kernels.KERNELS[name] = replace(kernels.KERNELS[name], device_types=None, dtypes=None)
+GPU_KERNELS = ("fa3", "flash", "te", "torch_varlen")
+# modules the stand-ins shadow: forgotten on exit so a later import finds the real package (or none)
+_SHADOWED = ("flash_attn", "flash_attn_interface", "transformer_engine", "transformer_engine.pytorch")
+
+
+@contextlib.contextmanager
+def fake_kernels() -> Iterator[None]:
+    """Run the GPU kernels on CPU through the stand-ins of ``tests/fakes``, in any dtype; undone on exit.
+
+    The stand-ins go first on ``sys.path`` (flash-attn, FA3, TransformerEngine),
+    torch's ``varlen_attn`` gets CPU kernels for its two aten ops, and the
+    registry drops the kernels' device and dtype restrictions. Availability is
+    still checked for real: imports, versions, head dims and dropout.
+    """
+    saved = {name: kernels.KERNELS[name] for name in GPU_KERNELS}
+    sys.path.insert(0, str(FAKES))
+    importlib.import_module("torch_flash_cpu").install()
+    gpu_kernels.reset_caches()
+    try:
+        for name in GPU_KERNELS:
+            kernels.KERNELS[name] = replace(saved[name], device_types=None, dtypes=None)
+        yield
+    finally:
+        kernels.KERNELS.update(saved)
+        sys.path.remove(str(FAKES))
+        for module in _SHADOWED:
+            sys.modules.pop(module, None)
+        gpu_kernels.reset_caches()
 
 
 def _fill(pattern: list[int], total: int) -> list[int]:
@@ -108,10 +134,9 @@ def cp_mesh():
 
 def attend_cases(cases: list[Case], fakes: bool = False) -> list[dict[str, Any]]:
     """Worker: run each case's forward and backward on this rank; return local outputs and grads."""
-    if fakes:
-        use_fake_kernels()
-    mesh = cp_mesh()
-    return [_attend_one(mesh, c) for c in cases]
+    with fake_kernels() if fakes else contextlib.nullcontext():
+        mesh = cp_mesh()
+        return [_attend_one(mesh, c) for c in cases]
 
 
 def _attend_one(mesh: Any, case: Case) -> dict[str, Any]:

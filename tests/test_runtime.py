@@ -198,7 +198,6 @@ def _path_for(ids, env, knobs, broken_rank=None):
     [
         ({}, {"kv_exchange": "allgather"}, None, "allgather", "kv_exchange=allgather (configured)"),
         ({"LOCAL_WORLD_SIZE": "1"}, {"kv_exchange": "halo"}, None, "allgather", "CP group spans nodes"),
-        ({}, {"kv_exchange": "halo", "attn_backend": "dense"}, 1, "allgather", "rank(s) [1] cannot run dense"),
         ({}, {"kv_exchange": "halo"}, None, "halo", "left neighbour only"),
         ({}, {"kv_exchange": "a2a"}, None, "a2a", "kv_exchange=a2a (configured)"),
     ],
@@ -210,8 +209,18 @@ def test_every_downgrade_names_its_reason_on_every_rank(pools, env, knobs, broke
         assert (path, used_path) == (want_path, want_path)
         assert has_plan == (want_path != "allgather")
         assert needle in reason
-    if broken is not None:  # the broken rank ran sdpa_varlen instead, the other dense: same math
-        assert [r[4] for r in results] == ["dense", "sdpa_varlen"]
+
+
+@pytest.mark.parametrize("kv_exchange", ["allgather", "halo"])
+def test_an_explicit_kernel_one_rank_cannot_run_makes_every_rank_raise(pools, kv_exchange):
+    """Never a silent downgrade (the seed replaced it by sdpa_varlen), never a hang: every rank raises."""
+    env = {"LOCAL_WORLD_SIZE": None, "NPROC_PER_NODE": None, "NEMO_CP_ALLOW_XNODE": None}
+    knobs = {"kv_exchange": kv_exchange, "attn_backend": "dense"}
+    results = pools.get(2).run(_path_for, layout("straddle", 2), env, knobs, 1, timeout=60)
+    assert all(not r.ok and r.error_type == "RuntimeError" for r in results), [r.message for r in results]
+    assert all("disagree on attn_backend availability" in r.message for r in results)
+    assert "attn_backend='dense' cannot run here: dense needs device cuda" in results[1].message
+    pools.ensure_healthy(2)
 
 
 def test_halo_becomes_a2a_when_a_document_spans_three_ranks(pools):

@@ -211,14 +211,15 @@ def _select_kv_exchange_path(
         device: Device for consensus tensors.
         offset: Global position of this rank's first local row.
         query_dtype: Query dtype for the kernel preflight (skipped when ``None``).
-        dropout_p: Attention dropout (every kernel supports it; kept for the seed signature).
+        dropout_p: Attention dropout (kept for the seed signature: it never changes the path; the
+            kernel selection refuses it for fa3 and torch_varlen).
 
     Returns:
         ``(path, plan, reason)``: ``path`` is ``"halo"``, ``"a2a"`` or
         ``"allgather"``; ``plan`` is the memoized :class:`KVPlan` for the
         needed-only paths (``None`` for all-gather); ``reason`` names the cause.
     """
-    del dropout_p  # dropout never forces a downgrade: every kernel supports it
+    del dropout_p  # dropout never changes the path (kernels.select_kernel checks it per kernel)
     backend, kv_exchange = _resolve_cp_varlen_config(state)
     if offset != state.row_offset:
         raise ValueError(f"offset={offset} disagrees with the step state's row_offset={state.row_offset}")
@@ -281,7 +282,9 @@ def _log_path(path: str, reason: str, kernel: str, state: StepState) -> None:
         )
 
 
-def _agree_on_step(state: StepState, query: torch.Tensor, key: torch.Tensor) -> None:
+def _agree_on_step(
+    state: StepState, query: torch.Tensor, key: torch.Tensor, unavailable: Exception | None = None
+) -> None:
     """On the step's first call: every rank must run the same configuration on the same layout.
 
     Runs before any path-dependent collective, so a disagreement (a rank with a
@@ -305,6 +308,7 @@ def _agree_on_step(state: StepState, query: torch.Tensor, key: torch.Tensor) -> 
             "overlap": state.overlap,
             "document layout": (plan.runs.starts, plan.runs.ends, plan.pieces),
             "query/key shapes and dtype": (tuple(query.shape), tuple(key.shape), str(query.dtype)),
+            "attn_backend availability": None if unavailable is None else str(unavailable),
         },
         state.group,
         query.device,
@@ -455,7 +459,15 @@ def cp_blockdiag_sdpa(
     state_module.record_cp_attn_call()
     if state.check_finite:  # device-side flags, read once per step: no host sync per layer
         state.cache.finite.append(torch.stack([t.isfinite().all() for t in (query, key, value)]))
-    _agree_on_step(state, query, key)
+    backend, _ = _resolve_cp_varlen_config(state)
+    try:  # an explicit kernel that cannot run: every rank raises together, after the agreement check
+        kernel = kernels.select_kernel(backend, query.dtype, query.device, head_dim=query.shape[3], dropout_p=dropout_p)
+        unavailable = None
+    except kernels.KernelUnavailableError as exc:
+        kernel, unavailable = "", exc
+    _agree_on_step(state, query, key, unavailable)
+    if unavailable is not None:
+        raise unavailable
     state.cache.shape = cost.Shape(query.shape[1], key.shape[1], query.shape[3], query.element_size())
     path, plan, reason = _select_kv_exchange_path(
         state,
@@ -467,8 +479,6 @@ def cp_blockdiag_sdpa(
         query_dtype=query.dtype,
         dropout_p=dropout_p,
     )
-    backend, _ = _resolve_cp_varlen_config(state)
-    kernel = kernels.select_kernel(backend, query.dtype, query.device)
     _log_path(path, reason, kernel, state)
     out = _attend(state, path, plan, kernel, query, key, value, scale, dropout_p)
     received = plan.remote_tokens(state.cp_rank) if plan is not None else state.local_len * (state.cp_size - 1)

@@ -26,8 +26,10 @@ if TYPE_CHECKING:
 # Canonical value -> accepted spellings (the canonical value is one of them).
 ATTN_BACKEND_SYNONYMS: dict[str, tuple[str, ...]] = {
     "auto": ("auto",),
+    "fa3": ("fa3", "flash_attn_3", "flash_attention_3", "flash3", "flashattention3", "flash_attn3", "fa_3"),
     "flash": ("flash", "flash_attn", "flash_attention", "flash_attention_2", "fa", "fa2", "flash_varlen"),
     "te": ("te", "transformer_engine", "transformerengine", "te_thd"),
+    "torch_varlen": ("torch_varlen", "varlen_attn", "torch_varlen_attn", "native_varlen", "nn_varlen"),
     "sdpa_varlen": ("sdpa_varlen", "varlen", "cpu_varlen", "per_doc", "sdpa_per_doc"),
     "dense": ("dense", "sdpa", "torch_sdpa", "masked_sdpa"),
 }
@@ -44,7 +46,7 @@ LAYOUT_SYNONYMS: dict[str, tuple[str, ...]] = {
 }
 
 # attn_backend `auto` resolves per call to the fastest kernel available for the
-# dtype/device at hand (flash > te > sdpa_varlen). kv_exchange `halo` is
+# dtype/device at hand (kernels.AUTO_PREFERENCE). kv_exchange `halo` is
 # needed-only and upgrades itself to `a2a` when some rank needs keys from beyond
 # its left neighbour; `auto` picks per step with the cost model (.cost).
 ATTN_BACKEND_DEFAULT = "auto"
