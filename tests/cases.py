@@ -105,6 +105,8 @@ class Case:
     scale: float | None = None
     layout: str = "contiguous"
     overlap: bool = True
+    device: str = "cpu"  # where q/k/v live (results come back as float64 on CPU)
+    dtype: torch.dtype = torch.float64
 
     @property
     def label(self) -> str:
@@ -141,7 +143,8 @@ def attend_cases(cases: list[Case], fakes: bool = False) -> list[dict[str, Any]]
 
 def _attend_one(mesh: Any, case: Case) -> dict[str, Any]:
     seq = case.doc_ids.shape[1]
-    batch = {"input_ids": torch.zeros(1, seq, dtype=torch.long), "_packed_seq_ids": case.doc_ids}
+    ids = case.doc_ids.to(case.device)
+    batch = {"input_ids": torch.zeros(1, seq, dtype=torch.long, device=case.device), "_packed_seq_ids": ids}
     configure_cp_varlen(overlap=case.overlap)
     try:
         ctx, _, shard = make_cp_blockdiag_batch_and_ctx(
@@ -150,18 +153,18 @@ def _attend_one(mesh: Any, case: Case) -> dict[str, Any]:
     finally:
         configure_cp_varlen()
     full = full_inputs(case, shard.padded_seq_len)
-    q, k, v = (full[n].index_select(2, shard.positions).requires_grad_() for n in ("q", "k", "v"))
+    positions = shard.positions.cpu()
+    local = {n: full[n].index_select(2, positions).to(case.device, case.dtype) for n in full}
+    q, k, v = (local[n].requires_grad_() for n in ("q", "k", "v"))
     with ctx():
         out = cp_blockdiag_sdpa(q, k, v, scale=case.scale, enable_gqa=case.heads[0] != case.heads[1])
-        (out * full["gout"].index_select(2, shard.positions)).sum().backward()
+        (out * local["gout"]).sum().backward()
+    results = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
     return {
-        "out": out.detach(),
-        "dq": q.grad,
-        "dk": k.grad,
-        "dv": v.grad,
+        **{n: t.to("cpu", torch.float64) for n, t in results.items()},
         "stats": exchange_stats(),
         "padded_len": shard.padded_seq_len,
-        "positions": shard.positions,
+        "positions": positions,
     }
 
 

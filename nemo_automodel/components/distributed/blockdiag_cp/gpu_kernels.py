@@ -4,8 +4,8 @@ Four libraries attend one rank's packed segments in a single (or, for the
 boundary guard, a few) varlen call(s). Each kernel takes local queries
 ``q [1, Hq, L, D]`` and packed keys/values ``k, v [1, Hkv, K, D]`` described by
 a :class:`~.kernels.VarlenMeta`, and returns ``[1, Hq, L, D]`` with zero
-padding rows. Every fact used here comes from the library's own source; the
-project README's *Kernels* section lists them with file and line.
+padding rows. Every fact used here comes from the library's own source;
+docs/design.md's *Kernels* section lists them with file and line.
 
 ``flash``         flash-attn 2 ``flash_attn_varlen_func`` (>= 2.1: ``causal=True`` is aligned
                   bottom-right; 2.0.x aligns top-left, silently wrong for a segment with earlier keys).
@@ -561,7 +561,7 @@ def torch_varlen(
 _TE_MODULES: dict[tuple[Any, ...], torch.nn.Module] = {}
 
 
-def _te_module(
+def te_module(
     num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None, dropout_p: float, device: torch.device
 ) -> torch.nn.Module:
     """A cached TransformerEngine ``DotProductAttention`` for our THD calls."""
@@ -592,7 +592,7 @@ def te(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMeta, scale: float | None, dropout_p: float
 ) -> torch.Tensor:
     """TransformerEngine THD attention, ``padding_causal_bottom_right``, ``attention_type="cross"``."""
-    module = _te_module(q.shape[1], k.shape[1], q.shape[3], scale, dropout_p, q.device)
+    module = te_module(q.shape[1], k.shape[1], q.shape[3], scale, dropout_p, q.device)
     out = module(
         _to_thd(q[:, :, : meta.n_real]),
         _to_thd(k),

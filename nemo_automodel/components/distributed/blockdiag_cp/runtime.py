@@ -291,7 +291,9 @@ def _agree_on_step(
     different ``kv_exchange``, kernel, sequence length, document layout or
     q/k/v shape) makes every rank raise the same error instead of hanging in
     mismatched collectives. Later calls are not re-checked (a rank whose shapes
-    change mid-step while its peers' do not is not detected).
+    change mid-step while its peers' do not is not detected). ``unavailable`` is
+    this rank's ``KernelUnavailableError`` for an explicit kernel (``None``: it
+    can run): a rank that alone cannot run it makes every rank raise here.
     """
     if state.cache.agreed or state.cp_size == 1:
         return
