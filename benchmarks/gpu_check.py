@@ -178,6 +178,20 @@ def _timed_ms(fn: Callable[[], Any], iters: int, warmup: int = 2) -> float:
     return statistics.median(samples)
 
 
+def _per_call_us(fn: Callable[[], Any], calls: int, repeats: int = 3) -> float:
+    """Median over ``repeats`` of the wall time per call of ``calls`` back-to-back calls (host + device work)."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(samples)
+
+
 def _row_inputs(lengths: tuple[int, ...], heads: tuple[int, int], head_dim: int, device: torch.device) -> tuple:
     total = sum(lengths)
     meta = kernels.build_varlen_meta(lengths, lengths, total, device)
@@ -251,7 +265,7 @@ def _bare_calls(meta: kernels.VarlenMeta, q: torch.Tensor, k: torch.Tensor, v: t
     return {"flash": flash, "fa3": fa3, "torch_varlen": torch_varlen, "te": te}
 
 
-def overhead_rows(device: torch.device, iters: int) -> list[Row]:
+def overhead_rows(device: torch.device, calls: int) -> list[Row]:
     if device.type != "cuda":
         return [Row("overhead", "-", "bf16", "-", "skip: no CUDA device")]
     lengths = (1024, 512, 512, 256, 1792)  # 4096 tokens: small enough that per-call costs show
@@ -264,10 +278,12 @@ def overhead_rows(device: torch.device, iters: int) -> list[Row]:
             if reason is not None:
                 rows.append(replace(row, result=f"skip: {reason}"))
                 continue
-            ours = _timed_ms(lambda kernel=kernel: kernels.blockdiag_attention(kernel, q, k, v, meta, None, 0.0), iters)
-            theirs = _timed_ms(bare, iters)
-            detail = f"wrapper {1e3 * ours:.0f} us, bare call {1e3 * theirs:.0f} us"
-            rows.append(replace(row, result=f"{1e3 * (ours - theirs):+.0f} us/call", detail=detail))
+            ours = _per_call_us(
+                lambda kernel=kernel: kernels.blockdiag_attention(kernel, q, k, v, meta, None, 0.0), calls
+            )
+            theirs = _per_call_us(bare, calls)
+            detail = f"wrapper {ours:.0f} us, bare call {theirs:.0f} us (per call, {calls} calls back to back)"
+            rows.append(replace(row, result=f"{ours - theirs:+.0f} us/call", detail=detail))
     return rows
 
 
