@@ -88,7 +88,7 @@ def _measure(work: Workload) -> dict[str, float]:
     k.requires_grad_(), v.requires_grad_()
     with ctx() as state:
         route = runtime._route(state, q.device)
-        kernel = runtime._kernel_for(state, q)[0]
+        kernel = runtime._kernel_for(state, q, 0.0)[0]
 
         def agreement() -> None:
             state.cache.agreed = False

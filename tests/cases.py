@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -15,6 +18,7 @@ from nemo_automodel.components.distributed.blockdiag_cp import (
     configure_cp_varlen,
     cp_blockdiag_sdpa,
     exchange_stats,
+    gpu_kernels,
     kernels,
     make_cp_blockdiag_batch_and_ctx,
 )
@@ -24,12 +28,34 @@ FAKES = Path(__file__).parent / "fakes"
 LOCAL = 16  # local rows per rank in the standard layouts
 
 
-def use_fake_kernels() -> None:
-    """Put the flash-attn / TransformerEngine stand-ins on the path and let them run on CPU in any dtype."""
-    if str(FAKES) not in sys.path:
-        sys.path.insert(0, str(FAKES))
-    for name in ("flash", "te"):
-        kernels.KERNELS[name] = replace(kernels.KERNELS[name], device_types=None, dtypes=None)
+GPU_KERNELS = ("fa3", "flash", "te", "torch_varlen")
+# modules the stand-ins shadow: forgotten on exit so a later import finds the real package (or none)
+_SHADOWED = ("flash_attn", "flash_attn_interface", "transformer_engine", "transformer_engine.pytorch")
+
+
+@contextlib.contextmanager
+def fake_kernels() -> Iterator[None]:
+    """Run the GPU kernels on CPU through the stand-ins of ``tests/fakes``, in any dtype; undone on exit.
+
+    The stand-ins go first on ``sys.path`` (flash-attn, FA3, TransformerEngine),
+    torch's ``varlen_attn`` gets CPU kernels for its two aten ops, and the
+    registry drops the kernels' device and dtype restrictions. Availability is
+    still checked for real: imports, versions, head dims and dropout.
+    """
+    saved = {name: kernels.KERNELS[name] for name in GPU_KERNELS}
+    sys.path.insert(0, str(FAKES))
+    importlib.import_module("torch_flash_cpu").install()
+    gpu_kernels.reset_caches()
+    try:
+        for name in GPU_KERNELS:
+            kernels.KERNELS[name] = replace(saved[name], device_types=None, dtypes=None)
+        yield
+    finally:
+        kernels.KERNELS.update(saved)
+        sys.path.remove(str(FAKES))
+        for module in _SHADOWED:
+            sys.modules.pop(module, None)
+        gpu_kernels.reset_caches()
 
 
 def _fill(pattern: list[int], total: int) -> list[int]:
@@ -79,6 +105,8 @@ class Case:
     scale: float | None = None
     layout: str = "contiguous"
     overlap: bool = True
+    device: str = "cpu"  # where q/k/v live (results come back as float64 on CPU)
+    dtype: torch.dtype = torch.float64
 
     @property
     def label(self) -> str:
@@ -108,15 +136,15 @@ def cp_mesh():
 
 def attend_cases(cases: list[Case], fakes: bool = False) -> list[dict[str, Any]]:
     """Worker: run each case's forward and backward on this rank; return local outputs and grads."""
-    if fakes:
-        use_fake_kernels()
-    mesh = cp_mesh()
-    return [_attend_one(mesh, c) for c in cases]
+    with fake_kernels() if fakes else contextlib.nullcontext():
+        mesh = cp_mesh()
+        return [_attend_one(mesh, c) for c in cases]
 
 
 def _attend_one(mesh: Any, case: Case) -> dict[str, Any]:
     seq = case.doc_ids.shape[1]
-    batch = {"input_ids": torch.zeros(1, seq, dtype=torch.long), "_packed_seq_ids": case.doc_ids}
+    ids = case.doc_ids.to(case.device)
+    batch = {"input_ids": torch.zeros(1, seq, dtype=torch.long, device=case.device), "_packed_seq_ids": ids}
     configure_cp_varlen(overlap=case.overlap)
     try:
         ctx, _, shard = make_cp_blockdiag_batch_and_ctx(
@@ -125,18 +153,18 @@ def _attend_one(mesh: Any, case: Case) -> dict[str, Any]:
     finally:
         configure_cp_varlen()
     full = full_inputs(case, shard.padded_seq_len)
-    q, k, v = (full[n].index_select(2, shard.positions).requires_grad_() for n in ("q", "k", "v"))
+    positions = shard.positions.cpu()
+    local = {n: full[n].index_select(2, positions).to(case.device, case.dtype) for n in full}
+    q, k, v = (local[n].requires_grad_() for n in ("q", "k", "v"))
     with ctx():
         out = cp_blockdiag_sdpa(q, k, v, scale=case.scale, enable_gqa=case.heads[0] != case.heads[1])
-        (out * full["gout"].index_select(2, shard.positions)).sum().backward()
+        (out * local["gout"]).sum().backward()
+    results = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
     return {
-        "out": out.detach(),
-        "dq": q.grad,
-        "dk": k.grad,
-        "dv": v.grad,
+        **{n: t.to("cpu", torch.float64) for n, t in results.items()},
         "stats": exchange_stats(),
         "padded_len": shard.padded_seq_len,
-        "positions": shard.positions,
+        "positions": positions,
     }
 
 

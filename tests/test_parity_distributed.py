@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.cases import LAYOUTS, Case, attend_cases, compare, layout
+from tests.cases import GPU_KERNELS, LAYOUTS, Case, attend_cases, compare, layout
 from tests.reference import doc_ids_from_lengths
 
 EXCHANGES = ("allgather", "halo", "a2a", "auto")
@@ -44,9 +44,9 @@ def test_without_overlap_results_are_identical(pools, shard_layout):
 
 
 @pytest.mark.parametrize("cp", [2, 3])
-@pytest.mark.parametrize("backend", ["flash", "te"])
-def test_flash_and_te_call_contracts_match_reference(pools, cp, backend):
-    """The stand-ins implement the real call contracts; a wrong mask alignment or cu_seqlens fails here."""
+@pytest.mark.parametrize("backend", GPU_KERNELS)
+def test_gpu_kernel_call_contracts_match_reference(pools, cp, backend):
+    """The stand-ins implement the real call contracts (tests/fakes); a wrong mask, alignment or cu_seqlens fails."""
     cases = [
         Case(layout(name, cp), backend, ex, (4, 2), seed=i, layout=shard_layout)
         for i, (name, ex, shard_layout) in enumerate(itertools.product(LAYOUTS, EXCHANGES, ("contiguous", "balanced")))
@@ -77,10 +77,11 @@ def _random_layout(draw):
 @given(
     _random_layout(),
     st.sampled_from(EXCHANGES),
-    st.sampled_from(CPU_KERNELS),
+    st.sampled_from(CPU_KERNELS + GPU_KERNELS),
     st.sampled_from(HEADS),
     st.sampled_from(["contiguous", "balanced"]),
 )
 def test_random_layouts_match_reference(pools, drawn, kv_exchange, backend, heads, shard_layout):
     cp, ids = drawn
-    _check(pools, cp, [Case(ids, backend, kv_exchange, heads, seed=int(ids.sum()), layout=shard_layout)])
+    case = Case(ids, backend, kv_exchange, heads, seed=int(ids.sum()), layout=shard_layout)
+    _check(pools, cp, [case], fakes=backend in GPU_KERNELS)

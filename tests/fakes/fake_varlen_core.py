@@ -1,61 +1,183 @@
-"""Reference varlen attention shared by the flash-attn and TransformerEngine stand-ins."""
+"""FlashAttention-family semantics on packed tensors, shared by the flash-attn, FA3 and torch stand-ins.
+
+What the real kernels compute (flash-attn 2.7.4.post1/2.8.3 ``flash_attn_interface.py`` docstrings and
+``csrc/flash_attn/flash_api.cpp``; FA3 ``hopper/flash_api.cpp``; torch's bundled copy of flash-attn 2):
+
+- scores ``S = scale * Q K^T`` per segment (GQA: query head ``h`` reads key head ``h // (Hq / Hkv)``);
+  with ``softcap > 0``: ``S = softcap * tanh(S / softcap)`` (flash_api.cpp ``params.softcap = scale / softcap``);
+- query row ``i`` of a segment with ``sq`` queries and ``sk`` keys sees keys
+  ``[i + sk - sq - left, i + sk - sq + right]`` inclusive, a negative bound meaning unbounded;
+  ``causal=True`` sets ``right = 0`` (bottom-right alignment since flash-attn 2.1);
+- ``softmax_lse`` is the natural log-sum-exp of a row's visible scores (``+inf`` for a row that sees
+  nothing, whose output is zero), varlen shape ``[Hq, total_q]``;
+- dropout multiplies the probabilities by a keep mask scaled by ``1 / (1 - p)``;
+- the LSE output carries no gradient: every real backward (``backward(ctx, dout, *args)``) drops it.
+
+The real kernels take only fp16/bf16 on CUDA; :data:`ALLOWED_DTYPES` widens that so tests run on CPU
+in float64. Computation is in float64 for float64 inputs, else float32 (the kernels accumulate in fp32).
+"""
 
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import torch
 
-# The real kernels accept only fp16/bf16 on CUDA; tests widen this to run on CPU in float64.
 ALLOWED_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
-CALLS: list[dict] = []
+CALLS: list[dict[str, Any]] = []  # one entry per stand-in call: which function, segment lengths, options
+Segment = tuple[int, int, int, int]  # (q_start, q_stop, k_start, k_stop)
 
 
-def _check_cu(name: str, cu: torch.Tensor, total: int) -> list[int]:
-    if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or not cu.is_contiguous():
-        raise TypeError(f"{name} must be a contiguous 1-D int32 tensor")
-    values = cu.tolist()
-    if values[0] != 0 or values[-1] != total or any(b < a for a, b in itertools.pairwise(values)):
-        raise ValueError(f"{name}={values} must rise from 0 to {total}")
-    return values
+def check_dtypes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """``query and key must have the same dtype`` etc. (flash_api.cpp), fp16/bf16 widened for CPU tests."""
+    if q.dtype not in ALLOWED_DTYPES:
+        raise RuntimeError("FlashAttention only support fp16 and bf16 data type")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise RuntimeError("query and key must have the same dtype")
+    for t in (q, k, v):
+        if t.stride(-1) != 1:
+            raise RuntimeError("Input tensor must have contiguous last dimension")
 
 
-def varlen_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_q: torch.Tensor,
-    cu_k: torch.Tensor,
-    max_q: int,
-    max_k: int,
-    scale: float | None,
-    bottom_right: bool,
-) -> torch.Tensor:
-    """``q [Tq, Hq, D]``, ``k/v [Tk, Hkv, D]`` -> ``[Tq, Hq, D]``, causal per segment."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 3 or not t.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous [tokens, heads, dim] tensor, got {tuple(t.shape)}")
-        if t.dtype not in ALLOWED_DTYPES:
-            raise TypeError(f"{name} dtype {t.dtype} is not supported")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError("query heads must be a multiple of key heads")
-    qs, ks = _check_cu("cu_seqlens_q", cu_q, q.shape[0]), _check_cu("cu_seqlens_k", cu_k, k.shape[0])
-    if len(qs) != len(ks):
-        raise ValueError("cu_seqlens_q and cu_seqlens_k must describe the same number of sequences")
+def check_heads(q_heads: int, k_heads: int, head_dim: int, multiple_of_8: bool) -> None:
+    """Head-count and head-dim checks of flash_api.cpp (FA2 pads the head dim in Python; FA3 does not)."""
+    if head_dim > 256:
+        raise RuntimeError("FlashAttention forward only supports head dimension at most 256")
+    if multiple_of_8 and head_dim % 8:
+        raise RuntimeError("head_size should be a multiple of 8")
+    if q_heads % k_heads:
+        raise RuntimeError("Number of heads in key/value must divide number of heads in query")
+
+
+def varlen_segments(
+    cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int, max_q: Any, max_k: Any
+) -> list[Segment]:
+    """Validate ``cu_seqlens`` (int32, 1-D, equal length, rising from 0 to the totals) and the maxima.
+
+    The real kernels trust the maxima and offsets (a wrong value reads out of bounds);
+    the stand-in raises instead.
+    """
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32:
+            raise RuntimeError(f"{name} must have dtype int32")
+        if cu.dim() != 1 or not cu.is_contiguous():
+            raise RuntimeError(f"{name} must be a contiguous 1-D tensor")
+    if cu_q.numel() != cu_k.numel():
+        raise RuntimeError("cu_seqlens_q and cu_seqlens_k must have the same length (batch_size + 1)")
+    if not isinstance(max_q, int) or not isinstance(max_k, int):
+        raise TypeError("max_seqlen_q/max_seqlen_k must be Python ints")
+    qs, ks = cu_q.tolist(), cu_k.tolist()
+    for name, values, total in (("cu_seqlens_q", qs, total_q), ("cu_seqlens_k", ks, total_k)):
+        if values[0] != 0 or values[-1] != total or any(b < a for a, b in itertools.pairwise(values)):
+            raise ValueError(f"{name}={values} must rise from 0 to {total}")
     q_lens = [b - a for a, b in itertools.pairwise(qs)]
     k_lens = [b - a for a, b in itertools.pairwise(ks)]
     if max_q < max(q_lens) or max_k < max(k_lens):
         raise ValueError(f"max_seqlen ({max_q}, {max_k}) below the real maxima ({max(q_lens)}, {max(k_lens)})")
-    CALLS.append({"q_lens": q_lens, "k_lens": k_lens, "bottom_right": bottom_right})
+    return [(q0, q1, k0, k1) for (q0, q1), (k0, k1) in zip(itertools.pairwise(qs), itertools.pairwise(ks))]
+
+
+def record(fn: str, segments: list[Segment], **options: Any) -> None:
+    """Remember a call (tests check which function attended which segments)."""
+    q_lens = [b - a for a, b, _, _ in segments]
+    CALLS.append({"fn": fn, "q_lens": q_lens, "k_lens": [d - c for _, _, c, d in segments], **options})
+
+
+def visible(sq: int, sk: int, left: int, right: int, device: torch.device) -> torch.Tensor:
+    """``[sq, sk]`` bool: key ``j`` visible from query ``i`` (bottom-right aligned window, inclusive)."""
+    offset = torch.arange(sk, device=device)[None, :] - (torch.arange(sq, device=device)[:, None] + sk - sq)
+    allowed = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if left >= 0:
+        allowed &= offset >= -left
+    if right >= 0:
+        allowed &= offset <= right
+    return allowed
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _scores(qi: torch.Tensor, ki: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+    s = qi @ ki.transpose(-1, -2) * scale
+    return softcap * torch.tanh(s / softcap) if softcap > 0 else s
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segments: list[Segment],
+    *,
+    scale: float,
+    left: int = -1,
+    right: int = -1,
+    softcap: float = 0.0,
+    dropout_p: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [Tq, Hq, D]``, ``k/v [Tk, Hkv, D]`` -> ``(out [Tq, Hq, D], lse [Hq, Tq])``, differentiable in ``out``."""
     rep = q.shape[1] // k.shape[1]
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    outs = []
-    for (q0, q1), (k0, k1) in zip(itertools.pairwise(qs), itertools.pairwise(ks)):
-        qi = q[q0:q1].transpose(0, 1)
-        ki = k[k0:k1].transpose(0, 1).repeat_interleave(rep, 0)
-        vi = v[k0:k1].transpose(0, 1).repeat_interleave(rep, 0)
-        shift = (k1 - k0) - (q1 - q0) if bottom_right else 0
-        allowed = torch.arange(k1 - k0)[None, :] <= (torch.arange(q1 - q0)[:, None] + shift)
-        scores = (qi @ ki.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
-        outs.append((torch.softmax(scores, -1).nan_to_num(0.0) @ vi).transpose(0, 1))
-    return torch.cat(outs, 0)
+    work = _compute_dtype(q.dtype)
+    outs, lses = [], []
+    for q0, q1, k0, k1 in segments:
+        qi = q[q0:q1].transpose(0, 1).to(work)
+        ki = k[k0:k1].transpose(0, 1).repeat_interleave(rep, 0).to(work)
+        vi = v[k0:k1].transpose(0, 1).repeat_interleave(rep, 0).to(work)
+        s = _scores(qi, ki, scale, softcap).masked_fill(~visible(q1 - q0, k1 - k0, left, right, q.device), -torch.inf)
+        lse = torch.logsumexp(s, dim=-1)
+        empty = torch.isneginf(lse)
+        p = torch.exp(s - lse.masked_fill(empty, 0.0)[..., None]).masked_fill(empty[..., None], 0.0)
+        if dropout_p > 0:
+            p = p * (torch.rand_like(p) >= dropout_p) / (1.0 - dropout_p)
+        outs.append((p @ vi).transpose(0, 1))
+        lses.append(lse.masked_fill(empty, torch.inf))
+    out = torch.cat(outs, 0).to(q.dtype)
+    return out, _GradDropped.apply(torch.cat(lses, 1).detach(), out)
+
+
+def attend_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segments: list[Segment],
+    *,
+    scale: float,
+    left: int = -1,
+    right: int = -1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Closed-form gradients of :func:`attend` (no dropout, no softcap), for stand-ins that run below autograd.
+
+    ``dP = dO V^T``, ``dS = P * (dP - rowsum(dO * O))``, ``dQ = scale dS K``, ``dK = scale dS^T Q``, ``dV = P^T dO``.
+    """
+    rep = q.shape[1] // k.shape[1]
+    work = _compute_dtype(q.dtype)
+    dq, dk, dv = (torch.zeros_like(t, dtype=work) for t in (q, k, v))
+    for q0, q1, k0, k1 in segments:
+        qi = q[q0:q1].transpose(0, 1).to(work)
+        ki = k[k0:k1].transpose(0, 1).repeat_interleave(rep, 0).to(work)
+        vi = v[k0:k1].transpose(0, 1).repeat_interleave(rep, 0).to(work)
+        doi = dout[q0:q1].transpose(0, 1).to(work)
+        s = _scores(qi, ki, scale, 0.0).masked_fill(~visible(q1 - q0, k1 - k0, left, right, q.device), -torch.inf)
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+        ds = p * (doi @ vi.transpose(-1, -2) - (doi * (p @ vi)).sum(-1, keepdim=True))
+        dq[q0:q1] = (scale * ds @ ki).transpose(0, 1)
+        # a key head's gradient sums over the query heads that read it
+        dk_i = (scale * ds.transpose(-1, -2) @ qi).unflatten(0, (-1, rep)).sum(1)
+        dv_i = (p.transpose(-1, -2) @ doi).unflatten(0, (-1, rep)).sum(1)
+        dk[k0:k1] += dk_i.transpose(0, 1)
+        dv[k0:k1] += dv_i.transpose(0, 1)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _GradDropped(torch.autograd.Function):
+    """``value``, attached to ``anchor``'s graph, whose gradient is dropped (the real kernels' LSE output)."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+        return None, None

@@ -32,7 +32,10 @@ from nemo_automodel.components.distributed.blockdiag_cp import (
     configure_cp_varlen,
     cost,
     cp_blockdiag_sdpa,
+    disable_cp1_packed_varlen,
+    enable_cp1_packed_varlen,
     make_cp_blockdiag_batch_and_ctx,
+    packed_varlen_sdpa,
     plan,
 )
 from nemo_automodel.components.distributed.blockdiag_cp.layout import doc_runs_from_lengths, make_shard_plan
@@ -126,6 +129,40 @@ QKV: dict[str, Callable[[], Any]] = {
     "qkv-heads-multiple": lambda: _attend((1, 3, 8, 8), (1, 2, 8, 8)),
     "qkv-gqa": lambda: _attend((1, 4, 8, 8), (1, 2, 8, 8), gqa=False),
     "qkv-length": lambda: _attend((1, 4, 6, 8), (1, 2, 6, 8)),
+}
+
+
+# ----------------------------------------------------------------------------- core: explicit kernels
+
+
+def _attend_with(backend: str, head_dim: int = 8, dropout_p: float = 0.0) -> Any:
+    """``cp_blockdiag_sdpa`` with an explicit kernel inside a cp=1 step of the CPU row above."""
+    q, k = torch.zeros(1, 4, 8, head_dim), torch.zeros(1, 2, 8, head_dim)
+    ctx, _, _ = _build(_row(), attn_backend=backend)
+    with ctx():
+        return cp_blockdiag_sdpa(q, k, k, dropout_p=dropout_p, enable_gqa=True)
+
+
+def _packed_with(backend: str) -> Any:
+    """The cp=1 packed path armed with an explicit kernel, on CPU."""
+    q, k = torch.zeros(1, 4, 8, 8), torch.zeros(1, 2, 8, 8)
+    enable_cp1_packed_varlen(doc_ids_from_lengths([3, 5], 8), backend=backend)
+    try:
+        return packed_varlen_sdpa(q, k, k, enable_gqa=True)
+    finally:
+        disable_cp1_packed_varlen()
+
+
+KERNEL: dict[str, Callable[[], Any]] = {
+    "kernel-flash-device": lambda: _attend_with("flash"),
+    "kernel-flash-head-dim": lambda: _attend_with("flash", head_dim=264),
+    "kernel-fa3-device": lambda: _attend_with("fa3"),
+    "kernel-fa3-dropout": lambda: _attend_with("fa3", dropout_p=0.1),
+    "kernel-fa3-head-dim": lambda: _attend_with("fa3", head_dim=12),
+    "kernel-torch-varlen-device": lambda: _attend_with("torch_varlen"),
+    "kernel-torch-varlen-dropout": lambda: _attend_with("torch_varlen", dropout_p=0.1),
+    "kernel-torch-varlen-head-dim": lambda: _attend_with("torch_varlen", head_dim=264),
+    "kernel-cp1-packed": lambda: _packed_with("fa3"),
 }
 
 
@@ -301,7 +338,7 @@ RECIPE: dict[str, Callable[[], Any]] = {
     "model-attention-never-cp": _attention_never_reached,
 }
 
-TRIGGERS: dict[str, Callable[[], Any]] = {**BATCH, **QKV, **CORE, **RECIPE}
+TRIGGERS: dict[str, Callable[[], Any]] = {**BATCH, **QKV, **KERNEL, **CORE, **RECIPE}
 
 
 def _outcome(trigger_id: str) -> tuple[str | None, str]:

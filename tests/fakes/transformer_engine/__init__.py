@@ -1,1 +1,3 @@
-"""Stand-in for TransformerEngine (only ``transformer_engine.pytorch.DotProductAttention``)."""
+"""Stand-in for TransformerEngine main (d0067d0da, 2.20.0.dev0): only ``pytorch.DotProductAttention``."""
+
+__version__ = "2.20.0.dev0"

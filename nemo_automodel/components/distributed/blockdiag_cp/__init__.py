@@ -6,7 +6,8 @@ a row over ``cp`` ranks and keeps attention exactly block-diagonal:
 
 - :mod:`.state`    knob normalization, the typed per-step state and its thread-shared slot.
 - :mod:`.layout`   document runs and each rank's segments, from replicated document ids.
-- :mod:`.kernels`  varlen metadata and the kernels (flash, te, sdpa_varlen, dense).
+- :mod:`.kernels`  varlen metadata, the CPU kernels, the kernel registry and selection (``auto``).
+- :mod:`.gpu_kernels` the GPU kernels (fa3, flash, te, torch_varlen) and what each library needs.
 - :mod:`.exchange` differentiable K/V collectives (all-gather, halo, all-to-all-v) and their plan.
 - :mod:`.runtime`  ``cp_blockdiag_sdpa`` and the collective-safe path decisions.
 - :mod:`.batch`    batch validation, padding, sharding and the per-step context.

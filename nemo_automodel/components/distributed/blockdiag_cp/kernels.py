@@ -8,18 +8,21 @@ aligned bottom-right, because only the first local document can have more
 keys than queries (its beginning lives on an earlier rank). Rows past
 ``n_real`` are padding: their output is zero.
 
-Kernels:
-    ``flash``        FlashAttention ``flash_attn_varlen_func`` (CUDA, fp16/bf16).
+Kernels (this module is their registry; the GPU ones live in :mod:`.gpu_kernels`):
+    ``fa3``          FlashAttention-3 varlen (Hopper, fp16/bf16, no dropout).
+    ``flash``        flash-attn 2 ``flash_attn_varlen_func`` (CUDA sm80+, fp16/bf16).
     ``te``           TransformerEngine ``DotProductAttention`` in THD format (CUDA, fp16/bf16).
+    ``torch_varlen`` torch's ``varlen_attn`` (CUDA sm80+, fp16/bf16, no dropout).
     ``sdpa_varlen``  Any device/dtype: per-document PyTorch SDPA calls, equal-length
                      documents batched together; never builds an ``[L, S]`` mask.
     ``dense``        One PyTorch SDPA call with an explicit ``[n_real, K]`` boolean mask.
+
+``auto`` takes the first of :data:`AUTO_PREFERENCE` that can run; an explicit
+kernel that cannot run raises :class:`KernelUnavailableError`.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import itertools
 import logging
 from collections.abc import Callable, Iterator
@@ -31,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from nemo_automodel.components.distributed.blockdiag_cp import gpu_kernels
 from nemo_automodel.components.distributed.blockdiag_cp.layout import RankSegments
 from nemo_automodel.components.distributed.blockdiag_cp.logs import log_once
 
@@ -251,17 +255,6 @@ def _pad_rows(out: torch.Tensor, local_len: int) -> torch.Tensor:
     return torch.cat((out, out.new_zeros(out.shape[0], out.shape[1], missing, out.shape[3])), dim=2)
 
 
-def _from_thd(out: torch.Tensor, num_heads: int, local_len: int) -> torch.Tensor:
-    """``[n_real, Hq, D]`` or ``[n_real, Hq * D]`` -> ``[1, Hq, L, D]`` with zero padding rows."""
-    out = out.reshape(out.shape[0], num_heads, -1)
-    return _pad_rows(out.transpose(0, 1).unsqueeze(0), local_len)
-
-
-def _to_thd(x: torch.Tensor) -> torch.Tensor:
-    """``[1, H, T, D]`` -> contiguous ``[T, H, D]`` (the varlen kernels' token-major layout)."""
-    return x[0].transpose(0, 1).contiguous()
-
-
 def _dense_allowed(meta: VarlenMeta) -> torch.Tensor:
     """Boolean ``[n_real, K]`` mask on the host: same document and key position <= query position."""
     q_lens, k_lens = torch.tensor(meta.q_lens), torch.tensor(meta.k_lens)
@@ -446,73 +439,14 @@ def _stacked(parts: tuple[torch.Tensor, ...], indices: tuple[int, ...]) -> torch
     return parts[indices[0]] if len(indices) == 1 else torch.cat([parts[i] for i in indices])
 
 
-def _flash(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMeta, scale: float | None, dropout_p: float
-) -> torch.Tensor:
-    """FlashAttention varlen; ``causal=True`` is aligned bottom-right (flash-attn >= 2.1)."""
-    from flash_attn import flash_attn_varlen_func
-
-    out = flash_attn_varlen_func(
-        _to_thd(q[:, :, : meta.n_real]),
-        _to_thd(k),
-        _to_thd(v),
-        cu_seqlens_q=meta.cu_q,
-        cu_seqlens_k=meta.cu_k,
-        max_seqlen_q=meta.max_q,
-        max_seqlen_k=meta.max_k,
-        dropout_p=dropout_p,
-        softmax_scale=scale,
-        causal=True,
-    )
-    return _from_thd(out, q.shape[1], meta.local_len)
-
-
-_TE_MODULES: dict[tuple[Any, ...], torch.nn.Module] = {}
-
-
-def _te_module(
-    num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None, dropout_p: float, device: torch.device
-) -> torch.nn.Module:
-    """A cached TransformerEngine ``DotProductAttention`` configured for THD varlen."""
-    key = (num_heads, num_kv_heads, head_dim, scale, dropout_p, str(device))
-    module = _TE_MODULES.get(key)
-    if module is None:
-        from transformer_engine.pytorch import DotProductAttention
-
-        # bottom_right: a rank's rows are the suffix of their document's keys.
-        module = DotProductAttention(
-            num_attention_heads=num_heads,
-            kv_channels=head_dim,
-            num_gqa_groups=num_kv_heads,
-            attention_dropout=dropout_p,
-            qkv_format="thd",
-            attn_mask_type="padding_causal_bottom_right",
-            softmax_scale=scale,
-        ).to(device)
-        _TE_MODULES[key] = module
-    return module
-
-
-def _te(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMeta, scale: float | None, dropout_p: float
-) -> torch.Tensor:
-    """TransformerEngine THD attention with ``padding_causal_bottom_right``."""
-    module = _te_module(q.shape[1], k.shape[1], q.shape[3], scale, dropout_p, q.device)
-    out = module(
-        _to_thd(q[:, :, : meta.n_real]),
-        _to_thd(k),
-        _to_thd(v),
-        cu_seqlens_q=meta.cu_q,
-        cu_seqlens_kv=meta.cu_k,
-        max_seqlen_q=meta.max_q,
-        max_seqlen_kv=meta.max_k,
-    )
-    return _from_thd(out, q.shape[1], meta.local_len)
-
-
 KernelFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, VarlenMeta, "float | None", float], torch.Tensor]
+# (head_dim, dropout_p) -> why the kernel cannot take this call anywhere, or None
+LimitsCheck = Callable[["int | None", float], "str | None"]
+# (device, head_dim, dropout_p) -> why this installation/GPU cannot run it, or None
+EnvironmentCheck = Callable[[torch.device, "int | None", float], "str | None"]
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
+_CUDA = frozenset({"cuda"})
 
 
 @dataclass(frozen=True)
@@ -524,76 +458,141 @@ class KernelSpec:
         fn: The kernel (see the module docstring for the contract).
         device_types: Devices it runs on (``None``: any).
         dtypes: Dtypes it accepts (``None``: any floating dtype).
-        package: Importable module it needs (``None``: only torch).
-        install_hint: How to get ``package``.
+        limits: Head-dim and dropout limits, true on every machine (checked first).
+        environment: Package, version and GPU checks (imports the package once).
+        auto_skip: Why ``auto`` passes over the kernel although it could run.
     """
 
     name: str
     fn: KernelFn
     device_types: frozenset[str] | None = None
     dtypes: frozenset[torch.dtype] | None = None
-    package: str | None = None
-    install_hint: str = ""
+    limits: LimitsCheck | None = None
+    environment: EnvironmentCheck | None = None
+    auto_skip: Callable[[torch.device], str | None] | None = None
 
 
 KERNELS: dict[str, KernelSpec] = {
-    "flash": KernelSpec("flash", _flash, frozenset({"cuda"}), _HALF, "flash_attn", "pip install '.[flash]'"),
-    "te": KernelSpec("te", _te, frozenset({"cuda"}), _HALF, "transformer_engine.pytorch", "pip install '.[te]'"),
+    "fa3": KernelSpec("fa3", gpu_kernels.fa3, _CUDA, _HALF, gpu_kernels.fa3_limits, gpu_kernels.fa3_environment),
+    "flash": KernelSpec(
+        "flash", gpu_kernels.flash, _CUDA, _HALF, gpu_kernels.flash_limits, gpu_kernels.flash_environment
+    ),
+    "te": KernelSpec("te", gpu_kernels.te, _CUDA, _HALF, None, gpu_kernels.te_environment, gpu_kernels.te_auto_problem),
+    "torch_varlen": KernelSpec(
+        "torch_varlen",
+        gpu_kernels.torch_varlen,
+        _CUDA,
+        _HALF,
+        gpu_kernels.torch_varlen_limits,
+        gpu_kernels.torch_varlen_environment,
+    ),
     "sdpa_varlen": KernelSpec("sdpa_varlen", _sdpa_varlen),
     "dense": KernelSpec("dense", _dense),
 }
 
-# `auto` takes the first kernel of this list that can run (fastest first).
-AUTO_PREFERENCE: tuple[str, ...] = ("flash", "te", "sdpa_varlen")
+# `auto` takes the first kernel of this list that can run. Why this order (the
+# README's "Kernels" section; benchmarks/gpu_check.py measures it on a GPU):
+# - fa3: FlashAttention-3 is the fastest varlen kernel on Hopper; it has no dropout
+#   and runs only on sm90, so elsewhere (or with dropout) it is skipped.
+# - flash: flash-attn 2, with dropout, on every GPU from Ampere on; it is also what
+#   TE itself would call on sm8x.
+# - te: cuDNN's fused attention on sm90+ (cuDNN >= 9.7); skipped when only TE's
+#   unfused backend would serve, which materializes the padded scores.
+# - torch_varlen: torch's bundled flash-attn 2 kernel, no extra package, no dropout.
+# - sdpa_varlen: runs everywhere (per-document SDPA calls).
+# `dense` is never picked: it scores every (query, needed key) pair with a mask.
+AUTO_PREFERENCE: tuple[str, ...] = ("fa3", "flash", "te", "torch_varlen", "sdpa_varlen")
 
 
-def _importable(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
+class KernelUnavailableError(ValueError):
+    """An explicitly requested ``attn_backend`` cannot run here; never silently replaced."""
+
+    def __init__(self, kernel: str, reason: str) -> None:
+        super().__init__(
+            f"attn_backend={kernel!r} cannot run here: {reason}. An explicit attn_backend is never replaced by "
+            f"another kernel; fix the cause, or set attn_backend='auto' (first that runs of: "
+            f"{', '.join(AUTO_PREFERENCE)})"
+        )
+        self.kernel = kernel
+        self.reason = reason
 
 
-def kernel_unavailable_reason(name: str, dtype: torch.dtype, device: torch.device) -> str | None:
-    """Why kernel ``name`` cannot run for this dtype/device, or ``None``; launches nothing."""
+def kernel_unavailable_reason(
+    name: str, dtype: torch.dtype, device: torch.device, *, head_dim: int | None = None, dropout_p: float = 0.0
+) -> str | None:
+    """Why kernel ``name`` cannot run this call, or ``None``; launches nothing.
+
+    Checks, in order: the kernel's head-dim and dropout limits (true on any
+    machine), the device type and dtype, then the installation and the GPU
+    (package really imported once, version, compute capability). Each reason
+    says what to do about it.
+
+    Args:
+        name: Canonical kernel name.
+        dtype: Query dtype.
+        device: Query device.
+        head_dim: Head dimension ``D`` (``None``: not checked).
+        dropout_p: Attention dropout of the call.
+    """
     spec = KERNELS.get(name)
     if spec is None:
         return f"unknown attention kernel {name!r} (known: {', '.join(KERNELS)})"
-    if spec.device_types is not None and torch.device(device).type not in spec.device_types:
-        return f"{name} needs device {'/'.join(sorted(spec.device_types))}, got {device}"
+    device = torch.device(device)
+    if spec.limits is not None and (reason := spec.limits(head_dim, dropout_p)) is not None:
+        return reason
+    if spec.device_types is not None and device.type not in spec.device_types:
+        return (
+            f"{name} needs device {'/'.join(sorted(spec.device_types))}, got {device}; "
+            "use attn_backend='auto' or 'sdpa_varlen' on this device"
+        )
     if spec.dtypes is not None and dtype not in spec.dtypes:
-        return f"{name} needs dtype {'/'.join(sorted(str(d) for d in spec.dtypes))}, got {dtype}"
-    if spec.package is not None and not _importable(spec.package):
-        return f"{name} needs the `{spec.package}` package ({spec.install_hint})"
+        return f"{name} needs dtype {'/'.join(sorted(str(d) for d in spec.dtypes))}, got {dtype}; cast q/k/v"
+    if spec.environment is not None:
+        return spec.environment(device, head_dim, dropout_p)
     return None
 
 
-def select_kernel(requested: str, dtype: torch.dtype, device: torch.device) -> str:
-    """Pick the concrete kernel for a call.
+def select_kernel(
+    requested: str, dtype: torch.dtype, device: torch.device, *, head_dim: int | None = None, dropout_p: float = 0.0
+) -> str:
+    """The concrete kernel for a call.
 
-    ``auto`` resolves to the first available kernel of :data:`AUTO_PREFERENCE`.
-    An explicitly requested kernel that cannot run here is replaced by
-    ``sdpa_varlen`` (which runs everywhere), with a one-time warning naming why.
+    ``auto`` resolves to the first kernel of :data:`AUTO_PREFERENCE` that can
+    run; the decision and why each earlier kernel was skipped are logged once.
 
     Args:
         requested: Canonical ``attn_backend`` (``auto`` or a kernel name).
         dtype: Query dtype.
         device: Query device.
+        head_dim: Head dimension ``D``.
+        dropout_p: Attention dropout of the call.
+
+    Raises:
+        KernelUnavailableError: when an explicitly requested kernel cannot run
+            (it is never replaced by another one).
     """
-    if requested == "auto":
-        return next(n for n in AUTO_PREFERENCE if kernel_unavailable_reason(n, dtype, device) is None)
-    reason = kernel_unavailable_reason(requested, dtype, device)
-    if reason is None:
+    device = torch.device(device)
+    if requested != "auto":
+        reason = kernel_unavailable_reason(requested, dtype, device, head_dim=head_dim, dropout_p=dropout_p)
+        if reason is not None:
+            raise KernelUnavailableError(requested, reason)
+        if requested == "te":
+            gpu_kernels.warn_if_te_unfused(device)
         return requested
-    log_once(
-        logger,
-        f"kernel-downgrade:{requested}:{dtype}:{device}",
-        logging.WARNING,
-        "attn_backend=%s cannot run here (%s); using sdpa_varlen",
-        requested,
-        reason,
-    )
-    return "sdpa_varlen"
+    skipped = []
+    for name in AUTO_PREFERENCE:
+        spec = KERNELS[name]
+        reason = kernel_unavailable_reason(name, dtype, device, head_dim=head_dim, dropout_p=dropout_p)
+        if reason is None and spec.auto_skip is not None:
+            reason = spec.auto_skip(device)
+        if reason is None:
+            decision = f"attn_backend=auto -> {name} ({dtype} on {device}, head_dim={head_dim}, dropout_p={dropout_p})"
+            if skipped:
+                decision += "; skipped " + "; ".join(skipped)
+            log_once(logger, f"kernel-auto:{decision}", logging.INFO, "%s", decision)
+            return name
+        skipped.append(f"{name}: {reason}")
+    raise AssertionError("sdpa_varlen runs everywhere")  # pragma: no cover
 
 
 def validate_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool, local_len: int) -> None:

@@ -119,7 +119,9 @@ def packed_varlen_sdpa(
             **kwargs,
         )
     kernels.validate_qkv(query, key, value, enable_gqa, armed.seq_len)
-    kernel = kernels.select_kernel(armed.backend, query.dtype, query.device)
+    kernel = kernels.select_kernel(
+        armed.backend, query.dtype, query.device, head_dim=query.shape[3], dropout_p=dropout_p
+    )
     kv_len = armed.meta.kv_len
     return kernels.blockdiag_attention(
         kernel, query, key[:, :, :kv_len], value[:, :, :kv_len], armed.meta, scale, dropout_p

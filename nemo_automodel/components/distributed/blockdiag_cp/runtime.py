@@ -230,17 +230,23 @@ def _route(state: StepState, device: torch.device) -> Route:
     return state.cache.route
 
 
-def _kernel_for(state: StepState, query: torch.Tensor) -> tuple[str | None, str | None]:
-    """``(kernel, None)`` for this call's dtype/device, or ``(None, why no kernel can run)``; memoized per step."""
-    key = (str(query.dtype), str(query.device))
+def _kernel_for(
+    state: StepState, query: torch.Tensor, dropout_p: float
+) -> tuple[str | None, kernels.KernelUnavailableError | None]:
+    """The concrete kernel for this call, or why the requested one cannot run; memoized per step.
+
+    An explicit kernel that cannot run is never replaced: the error travels into the
+    step agreement (so every rank raises together) and is raised after it.
+    """
+    key = (str(query.dtype), str(query.device), query.shape[3], dropout_p > 0)
     if key not in state.cache.kernel:
         try:
-            state.cache.kernel[key] = (
-                kernels.select_kernel(state.options.attn_backend, query.dtype, query.device),
-                None,
+            name = kernels.select_kernel(
+                state.options.attn_backend, query.dtype, query.device, head_dim=query.shape[3], dropout_p=dropout_p
             )
-        except ValueError as exc:  # an explicit kernel that cannot run here
-            state.cache.kernel[key] = (None, str(exc))
+            state.cache.kernel[key] = (name, None)
+        except kernels.KernelUnavailableError as exc:
+            state.cache.kernel[key] = (None, exc)
     return state.cache.kernel[key]
 
 
@@ -452,11 +458,11 @@ def cp_blockdiag_sdpa(
         state.cache.finite.append(torch.stack(sums).isfinite())
     if state.cache.shape is None:
         state.cache.shape = cost.Shape(query.shape[1], key.shape[1], query.shape[3], query.element_size())
-    kernel, unavailable = _kernel_for(state, query)
+    kernel, unavailable = _kernel_for(state, query, dropout_p)
     route = _route(state, query.device)
     _agree_on_step(state, query, key, value, kernel or f"unavailable: {unavailable}", route)
-    if kernel is None:  # every rank agreed that it cannot run: all raise here, together
-        raise ValueError(unavailable)
+    if unavailable is not None:  # every rank agreed that it cannot run: all raise here, together
+        raise unavailable
     log_once(
         logger,
         "kv-path",

@@ -28,8 +28,10 @@ if TYPE_CHECKING:
 # Canonical value -> accepted spellings (the canonical value is one of them).
 ATTN_BACKEND_SYNONYMS: dict[str, tuple[str, ...]] = {
     "auto": ("auto",),
+    "fa3": ("fa3", "flash_attn_3", "flash_attention_3", "flash3", "flashattention3", "flash_attn3", "fa_3"),
     "flash": ("flash", "flash_attn", "flash_attention", "flash_attention_2", "fa", "fa2", "flash_varlen"),
     "te": ("te", "transformer_engine", "transformerengine", "te_thd"),
+    "torch_varlen": ("torch_varlen", "varlen_attn", "torch_varlen_attn", "native_varlen", "nn_varlen"),
     "sdpa_varlen": ("sdpa_varlen", "varlen", "cpu_varlen", "per_doc", "sdpa_per_doc"),
     "dense": ("dense", "sdpa", "torch_sdpa", "masked_sdpa"),
 }
@@ -46,7 +48,7 @@ LAYOUT_SYNONYMS: dict[str, tuple[str, ...]] = {
 }
 
 # attn_backend `auto` resolves per call to the fastest kernel available for the
-# dtype/device at hand (flash > te > sdpa_varlen). kv_exchange `halo` is
+# dtype/device at hand (kernels.AUTO_PREFERENCE). kv_exchange `halo` is
 # needed-only and upgrades itself to `a2a` when some rank needs keys from beyond
 # its left neighbour; `auto` picks per step with the cost model (.cost).
 ATTN_BACKEND_DEFAULT = "auto"
@@ -228,7 +230,7 @@ class StepCache:
     Attributes:
         kv_plan: The replicated needed-only exchange plan (set on the first call that needs it).
         agreed: Whether the step-start agreement check passed.
-        kernel: ``(dtype, device) -> `` the concrete kernel, or the reason none can run.
+        kernel: ``(dtype, device, head_dim, dropout) -> `` the concrete kernel, or why the requested one cannot run.
         route: The step's K/V route (path, plan, reason, per-group key sources), set on the first call.
         auto_choice: ``kv_exchange=auto``'s ``(path, reason)`` for this step.
         shape: The attention shape of the first call (for the cost model).
@@ -237,7 +239,7 @@ class StepCache:
 
     kv_plan: KVPlan | None = None
     agreed: bool = False
-    kernel: dict[tuple[str, str], tuple[str | None, str | None]] = field(default_factory=dict)
+    kernel: dict[tuple[str, str, int, bool], tuple[str | None, Exception | None]] = field(default_factory=dict)
     route: Route | None = None
     auto_choice: tuple[str, str] | None = None
     shape: Shape | None = None
