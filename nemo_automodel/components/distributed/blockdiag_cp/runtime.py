@@ -24,20 +24,20 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from nemo_automodel.components.distributed.blockdiag_cp import consensus, cost, exchange, kernels
+from nemo_automodel.components.distributed.blockdiag_cp import consensus, cost, exchange, kernels, topology
 from nemo_automodel.components.distributed.blockdiag_cp import state as state_module
 from nemo_automodel.components.distributed.blockdiag_cp.consensus import CallStatus, group_size
 from nemo_automodel.components.distributed.blockdiag_cp.exchange import ExchangeOp, KVPlan
 from nemo_automodel.components.distributed.blockdiag_cp.kernels import AttentionGroup
+from nemo_automodel.components.distributed.blockdiag_cp.logs import log_once
 from nemo_automodel.components.distributed.blockdiag_cp.state import StepState
 
 logger = logging.getLogger(__name__)
 
 # Torch's SDPA as imported, before any patch can replace the module attribute.
 _ORIGINAL_SDPA = F.scaled_dot_product_attention
-# Seed flags: the chosen path and the cross-node downgrade are each logged once per process.
+# Seed flag: the chosen path is logged once per process.
 _KV_EXCHANGE_PATH_LOGGED = False
-_KV_XNODE_LOGGED = False
 
 
 @dataclass(frozen=True)
@@ -89,38 +89,31 @@ def reset_exchange_stats() -> None:
     _CLOCK = _WaitClock()
 
 
-def _local_world_size() -> int:
-    """Processes on this node: ``LOCAL_WORLD_SIZE``, else ``NPROC_PER_NODE``, else visible GPUs (0 = unknown)."""
-    for var in ("LOCAL_WORLD_SIZE", "NPROC_PER_NODE"):
-        value = os.environ.get(var, "").strip()
-        if value.isdigit() and int(value) > 0:
-            return int(value)
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 def _cp_group_spans_nodes(group: dist.ProcessGroup | None) -> bool:
-    """True when the CP group is larger than this node's world size.
+    """True when the CP group's ranks run on more than one host (their real hostnames).
 
-    Needed-only exchanges are peer-to-peer heavy; across nodes they depend on the
-    fabric, so they are disabled (one warning per process) and all-gather is
-    used. ``NEMO_CP_ALLOW_XNODE=1`` forces ``False``. When the node size is
-    unknown (no launcher variables, no GPUs) the group is assumed node-local.
+    Needed-only exchanges are point-to-point messages between any two CP ranks; those
+    between nodes pay the inter-node link's latency and bandwidth, so they are disabled
+    (the reason logged once per process) and all-gather is used. ``NEMO_CP_ALLOW_XNODE=1`` forces ``False``.
+    The hostnames are gathered once per group (:mod:`.topology`: at mesh build in the
+    recipe, else at the first call, which every CP rank reaches at the same point).
     """
-    if os.environ.get("NEMO_CP_ALLOW_XNODE") == "1":
+    where = topology.group_hosts(group)
+    if not where.spans_nodes:
         return False
-    world = group_size(group)
-    local = _local_world_size()
-    spans = 0 < local < world
-    global _KV_XNODE_LOGGED
-    if spans and not _KV_XNODE_LOGGED:
-        _KV_XNODE_LOGGED = True
-        logger.warning(
-            "needed-only KV exchange disabled: the CP group (cp_size=%d) spans nodes (local world size %d); "
-            "using all-gather. Set NEMO_CP_ALLOW_XNODE=1 to force needed-only exchange across nodes.",
-            world,
-            local,
-        )
-    return spans
+    allowed = os.environ.get("NEMO_CP_ALLOW_XNODE") == "1"
+    log_once(
+        logger,
+        "cp-group-spans-nodes",
+        logging.WARNING,
+        "the CP group spans nodes (%s): %s",
+        where.describe(),
+        "NEMO_CP_ALLOW_XNODE=1 keeps needed-only K/V exchanges across nodes"
+        if allowed
+        else "needed-only K/V exchange disabled (its point-to-point messages between nodes would cross the "
+        "inter-node link); using all-gather. Set NEMO_CP_ALLOW_XNODE=1 to force needed-only exchange across nodes.",
+    )
+    return not allowed
 
 
 def _needed_only_kernel_succeeded_on_all_ranks(
