@@ -79,8 +79,8 @@ ENTRIES = {
     "recipe": Entry(
         "recipe",
         "recipes/finetune.py",
-        max_steps=20,
-        ckpt_every=10,
+        max_steps=12,
+        ckpt_every=6,
         checkpoint_marker=".metadata",
         extra_overrides=tuple(TINY_OVERRIDES),
         logs_cp=True,
