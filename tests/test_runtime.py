@@ -144,35 +144,6 @@ def _local_qkv(shard, requires_grad=False):
     return tuple(t[:, :, rows].clone().requires_grad_(requires_grad) for t in (q, k, v))
 
 
-# ----------------------------------------------------------------------------- node heuristics
-
-
-def _spans_nodes_under(env):
-    with _env(**env), _captured(runtime.logger) as logs:
-        reset_log_once()
-        first = runtime._cp_group_spans_nodes(dist.group.WORLD)
-        second = runtime._cp_group_spans_nodes(dist.group.WORLD)
-    warnings = [m for level, m in logs if level == logging.WARNING]
-    return first, second, len(warnings)
-
-
-@pytest.mark.parametrize(
-    ("env", "spans"),
-    [
-        ({"LOCAL_WORLD_SIZE": "1", "NPROC_PER_NODE": None}, True),
-        ({"LOCAL_WORLD_SIZE": None, "NPROC_PER_NODE": "1"}, True),
-        ({"LOCAL_WORLD_SIZE": "2", "NPROC_PER_NODE": "1"}, False),
-        ({"LOCAL_WORLD_SIZE": "1", "NEMO_CP_ALLOW_XNODE": "1"}, False),
-        ({"LOCAL_WORLD_SIZE": None, "NPROC_PER_NODE": None}, False),  # unknown node size, no GPUs: node-local
-    ],
-)
-def test_group_spans_nodes_heuristic_and_warns_once(pools, env, spans):
-    env = {"NEMO_CP_ALLOW_XNODE": None, **env}
-    for first, second, warnings in pools.get(2).run_ok(_spans_nodes_under, env):
-        assert first is spans and second is spans
-        assert warnings == (1 if spans else 0)
-
-
 # ----------------------------------------------------------------------------- path decisions
 
 
@@ -201,13 +172,12 @@ def _path_for(ids, env, knobs, broken_rank=None):
     ("env", "knobs", "broken", "want_path", "needle"),
     [
         ({}, {"kv_exchange": "allgather"}, None, "allgather", "kv_exchange=allgather (configured)"),
-        ({"LOCAL_WORLD_SIZE": "1"}, {"kv_exchange": "halo"}, None, "allgather", "CP group spans nodes"),
         ({}, {"kv_exchange": "halo"}, None, "halo", "left neighbour only"),
         ({}, {"kv_exchange": "a2a"}, None, "a2a", "kv_exchange=a2a (configured)"),
     ],
 )
 def test_every_downgrade_names_its_reason_on_every_rank(pools, env, knobs, broken, want_path, needle):
-    env = {"LOCAL_WORLD_SIZE": None, "NPROC_PER_NODE": None, "NEMO_CP_ALLOW_XNODE": None, **env}
+    env = {"NEMO_CP_ALLOW_XNODE": None, **env}  # spanning nodes: tests/test_topology.py
     results = pools.get(2).run_ok(_path_for, layout("straddle", 2), env, knobs, broken)
     for path, has_plan, reason, used_path, _, _ in results:
         assert (path, used_path) == (want_path, want_path)

@@ -29,6 +29,7 @@ from nemo_automodel.components.datasets.tokenizer import HFTokenizer, build_toke
 from nemo_automodel.components.distributed.parallel import (
     Topology,
     build_meshes,
+    check_shared_run_dir,
     init_process_group,
     resolve_topology,
     shard_model,
@@ -113,6 +114,7 @@ def train(config: FinetuneConfig, run_dir: Path, topology: Topology, device: tor
     if topology.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(OmegaConf.create(to_plain_dict(config)), run_dir / "resolved_config.yaml")
+    check_shared_run_dir(run_dir, topology.rank)  # checkpoints need one run dir on every node
 
     tokenizer = build_tokenizer(config.tokenizer)
     dataset = build_packed_dataset(config.data, tokenizer)

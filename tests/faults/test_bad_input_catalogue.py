@@ -39,7 +39,7 @@ from nemo_automodel.components.distributed.blockdiag_cp import (
     plan,
 )
 from nemo_automodel.components.distributed.blockdiag_cp.layout import doc_runs_from_lengths, make_shard_plan
-from nemo_automodel.components.distributed.parallel import resolve_topology
+from nemo_automodel.components.distributed.parallel import check_shared_run_dir, resolve_topology
 from nemo_automodel.components.launcher.env import first_slurm_host
 from nemo_automodel.components.models.causal_lm import build_causal_lm
 from nemo_automodel.components.training.step import _check_cp_reached_attention
@@ -232,7 +232,7 @@ CORE: dict[str, Callable[[], Any]] = {
     "plan-lib-multiple": lambda: make_shard_plan(doc_runs_from_lengths([5]), 2),
     "plan-lib-layout": lambda: make_shard_plan(doc_runs_from_lengths([6]), 2, "spiral"),
 }
-IN_POOL = {"mesh-not-1d", "mesh-group-size", "ranks-disagree"}
+IN_POOL = {"mesh-not-1d", "mesh-group-size", "ranks-disagree", "launch-run-dir-not-shared"}
 
 
 # ----------------------------------------------------------------------------- recipe
@@ -297,6 +297,13 @@ POSITIVE_FIELDS = (
 )
 NON_NEGATIVE_FIELDS = ("optim.warmup_steps", "optim.grad_clip", "trainer.ckpt_every")
 
+
+def _run_dir_not_shared() -> None:
+    """Each rank looks in its own temporary directory, as nodes without a shared filesystem would."""
+    with tempfile.TemporaryDirectory() as tmp:
+        check_shared_run_dir(Path(tmp), dist.get_rank(), settle_s=0.2)
+
+
 RECIPE: dict[str, Callable[[], Any]] = {
     "config-unknown-key": lambda: _compose("trainer.max_stepz=3"),
     "config-wrong-type": lambda: _compose("trainer.max_steps=many"),
@@ -333,6 +340,7 @@ RECIPE: dict[str, Callable[[], Any]] = {
     "data-all-empty": lambda: pack_documents([[], []], 8, "first_fit_decreasing", 0, 0),
     "launch-cp-world": lambda: resolve_topology(world=3, rank=0, local_rank=0, cp_size=2, dp_size=None),
     "launch-dp-size": lambda: resolve_topology(world=2, rank=0, local_rank=0, cp_size=2, dp_size=2),
+    "launch-run-dir-not-shared": _run_dir_not_shared,
     "launch-slurm-nodelist": lambda: first_slurm_host("[bad"),
     "model-vocabulary": _small_vocabulary_model,
     "model-attention-never-cp": _attention_never_reached,

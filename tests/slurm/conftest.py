@@ -1,4 +1,8 @@
-"""Live-Slurm fixtures: Slurm installed (or a skip/CI failure), and one cluster for the session."""
+"""Live-Slurm fixtures: Slurm installed (or a skip/CI failure), and one two-node cluster for the session.
+
+The two nodes are network namespaces of this machine with their own hostnames (``node1``,
+``node2``) and addresses (``tests/slurm/cluster.py``); single-node jobs run on one of them.
+"""
 
 from __future__ import annotations
 
@@ -26,9 +30,12 @@ def slurm_installed() -> None:
         pytest.skip(reason)
 
 
+NODES = 2
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster(slurm_installed: None) -> Iterator[slurm.Cluster]:
-    cluster = slurm.start(Path(tempfile.mkdtemp(prefix="slurm-test-")))
+    cluster = slurm.start(Path(tempfile.mkdtemp(prefix="slurm-test-")), nodes=NODES)
     try:
         yield cluster
     finally:

@@ -11,11 +11,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from hydra import compose, initialize_config_dir
+
+from nemo_automodel.components.config.schema import register_schema, to_finetune_config, to_plain_dict
+from tests.dist_pool import PoolCache
+from tests.recipe_helpers import train_in_pool
 from tests.slurm.cluster import Cluster
 
 REPO = Path(__file__).resolve().parents[2]
 SBATCH_SCRIPT = REPO / "recipes" / "slurm" / "finetune.sbatch"
 SUBMITTED = re.compile(r"Submitted batch job (\d+)")
+WORKERS_PER_NODE = 2
 
 
 @dataclass
@@ -63,29 +69,36 @@ def submit(
     name: str,
     recipe: str,
     overrides: list[str],
+    nodes: int = 1,
+    env: dict[str, str] | None = None,
 ) -> Job:
-    """``sbatch --wait`` the real sbatch script from the repository root, as a user would, on CPU."""
+    """``sbatch --wait`` the real sbatch script from the repository root, as a user would, on CPU.
+
+    ``nodes`` nodes with 2 workers each (``NPROC_PER_NODE``); ``env`` adds to the job's environment.
+    """
     log_dir = work_dir / "logs"
     run_root = work_dir / "runs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    env = {
+    job_env = {
         **cluster.env(),
         "RECIPE": recipe,
         "RUN_ROOT": str(run_root),
-        "NPROC_PER_NODE": "2",
+        "NPROC_PER_NODE": str(WORKERS_PER_NODE),
         "PYTHON": sys.executable,
+        **(env or {}),
     }
     command = [
         "sbatch",
         "--wait",
         f"--job-name={name}",
-        "--gpus-per-node=0",  # the test node has no GPUs: the CPU-only path, on gloo
+        f"--nodes={nodes}",
+        "--gpus-per-node=0",  # the test nodes have no GPUs: the CPU-only path, on gloo
         f"--output={log_dir}/%x-%j.out",
         f"--error={log_dir}/%x-%j.err",
         str(SBATCH_SCRIPT),
         *overrides,
     ]
-    waiter = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    waiter = subprocess.Popen(command, cwd=REPO, env=job_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert waiter.stdout is not None
     submitted = SUBMITTED.search(waiter.stdout.readline())
     if submitted is None:
@@ -107,3 +120,11 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, job: 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}; job log:\n{job.log()}")
         time.sleep(0.2)
+
+
+def one_node_losses(pools: PoolCache, world: int, overrides: list[str], run_dir: Path) -> dict[int, float]:
+    """The losses of the same recipe config trained on one machine by a ``world``-rank gloo pool (the reference)."""
+    register_schema()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        config = to_finetune_config(compose(config_name="finetune", overrides=overrides))
+    return pools.get(world).run_ok(train_in_pool, to_plain_dict(config), str(run_dir), timeout=300)[0]["losses"]

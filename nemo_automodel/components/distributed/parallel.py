@@ -12,13 +12,18 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
+import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from nemo_automodel.components.distributed.blockdiag_cp import topology as hosts
 
 logger = logging.getLogger(__name__)
 
@@ -105,12 +110,102 @@ def build_meshes(topology: Topology, device: torch.device, pg_timeout_s: float) 
     creates the groups of dimensions smaller than the world with torch's default
     (30 min for gloo, 10 min for NCCL), not the default group's timeout, so with
     ``dp > 1`` a stuck CP peer would otherwise hang its group for that long.
+
+    CP is the innermost dimension (consecutive ranks), so a launcher that numbers
+    ranks node by node (torchrun, ``srun`` block distribution) puts every CP group
+    inside one node whenever ``cp`` divides the workers per node. Where every rank
+    runs is gathered here, once (:func:`record_placement`).
     """
     mesh = init_device_mesh(device.type, (topology.dp, topology.cp), mesh_dim_names=("dp", "cp"))
     meshes = Meshes(cp=mesh["cp"], dp_cp=mesh["dp", "cp"]._flatten("dp_cp"))
-    for group in {mesh["dp"].get_group(), meshes.cp.get_group(), meshes.dp_cp.get_group()}:
+    groups = {mesh["dp"].get_group(), meshes.cp.get_group(), meshes.dp_cp.get_group()}
+    for group in groups:
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=pg_timeout_s), group)
+    record_placement(groups, mesh.mesh.tolist(), topology.is_main)
     return meshes
+
+
+def record_placement(
+    groups: set[dist.ProcessGroup], cp_groups: list[list[int]], log: bool, place: hosts.RankHost | None = None
+) -> hosts.GroupHosts:
+    """Collective: every rank's host, gathered once over the default group and recorded for ``groups``.
+
+    The CP core then decides whether its group spans nodes without another collective
+    (``blockdiag_cp.topology``), and a failure report can name the ranks behind a
+    peer address. With ``log``: every rank's host and each CP group's hosts.
+
+    Args:
+        groups: The mesh's process groups.
+        cp_groups: The global ranks of each CP group (the ``[dp, cp]`` mesh as nested lists).
+        log: Whether this rank logs the placement (rank 0).
+        place: This rank's host (default: the real one; tests pass made-up hosts).
+    """
+    world = hosts.gather_hosts(None, place)
+    for group in groups:
+        hosts.remember_hosts(group, world)
+    if log:
+        logger.info("hosts: %s", world.describe())
+        for index, ranks in enumerate(cp_groups):
+            logger.info("cp group %d: %s", index, world.subgroup(ranks).describe())
+        misplaced = cp_groups_split_needlessly(world, cp_groups)
+        if misplaced:
+            logger.warning(
+                "cp group(s) %s span nodes although every node runs whole CP groups of %d ranks: the launcher "
+                "numbered the ranks across nodes; start them node by node (torchrun, or srun --distribution=block)",
+                misplaced,
+                len(cp_groups[0]),
+            )
+    return world
+
+
+def cp_groups_split_needlessly(world: hosts.GroupHosts, cp_groups: list[list[int]]) -> list[int]:
+    """Indices of the CP groups that span nodes although every node's ranks make whole CP groups."""
+    cp = len(cp_groups[0])
+    if any(len(ranks) % cp for ranks in world.ranks_by_host().values()):
+        return []  # some group must span nodes, whatever the numbering
+    return [index for index, ranks in enumerate(cp_groups) if world.subgroup(ranks).spans_nodes]
+
+
+def check_shared_run_dir(run_dir: Path, rank: int, settle_s: float = 5.0) -> None:
+    """Collective (default group): every rank must see the run dir rank 0 created, or every rank raises.
+
+    Checkpoints (``torch.distributed.checkpoint`` writes each rank's shard, rank 0 the
+    metadata), ``metrics.jsonl`` and ``trainer.resume=auto`` assume one directory shared by
+    every node. Rank 0 writes a file with a random token into ``run_dir``; each rank looks
+    for it for up to ``settle_s`` seconds (a network filesystem may show a new file late).
+
+    Raises:
+        RuntimeError: on every rank, naming the ranks (and hosts) that do not see it and the fix.
+    """
+    shared = [secrets.token_hex(8), f".shared-fs-check-{os.getpid()}"] if rank == 0 else ["", ""]
+    if rank == 0:
+        (run_dir / shared[1]).write_text(shared[0])
+    dist.broadcast_object_list(shared, src=0)
+    token, name = shared
+    marker = run_dir / name  # this rank's own view of the run dir
+    deadline = time.monotonic() + settle_s
+    while not (seen := _holds(marker, token)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    seen_by = [False] * dist.get_world_size()
+    dist.all_gather_object(seen_by, seen)
+    if rank == 0:
+        marker.unlink(missing_ok=True)
+    blind = [r for r, ok in enumerate(seen_by) if not ok]
+    if blind:
+        where = hosts.known_hosts(None)
+        on = f" on {', '.join(dict.fromkeys(where.subgroup(blind).hosts))}" if where else ""
+        raise RuntimeError(
+            f"hydra.run.dir={run_dir}: rank(s) {blind}{on} do not see the run directory rank 0 created: checkpoints, "
+            f"metrics and resume need one directory that every node shares; put hydra.run.dir (RUN_ROOT or RUN_DIR "
+            f"under Slurm) on a filesystem every node mounts at the same path (NFS, Lustre, ...)"
+        )
+
+
+def _holds(marker: Path, token: str) -> bool:
+    try:
+        return marker.read_text() == token
+    except OSError:
+        return False
 
 
 def shard_model(model: torch.nn.Module, flat: DeviceMesh) -> FSDPModule:

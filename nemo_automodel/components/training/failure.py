@@ -14,7 +14,11 @@ c10d store the ranks already share:
 - a rank whose collective broke raises :class:`PeerFailureError` naming the
   rank(s) that reported a failure and their messages (chained to its own
   error), or, when none did (a peer was killed, lost its host, or is stuck past
-  the timeout), saying exactly that.
+  the timeout), saying exactly that;
+- when no rank reported but the broken connection's peer address belongs to
+  another host (``blockdiag_cp.topology``, recorded at mesh build), the ranks on
+  that host are reported as lost, for this rank and for peers whose collective
+  breaks later because this rank left.
 
 Errors every rank raises together (the CP core's kernel-failure consensus, the
 step agreement check) are not broken collectives: every rank reports and raises
@@ -31,6 +35,8 @@ import threading
 from collections.abc import Iterator
 
 import torch.distributed as dist
+
+from nemo_automodel.components.distributed.blockdiag_cp import topology
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +88,18 @@ def peer_reports(store: dist.Store, rank: int, world: int) -> dict[int, str]:
     return {r: store.get(key).decode() for r, key in keys.items() if store.check([key])}
 
 
+def report_lost_peers(store: dist.Store, rank: int, exc: BaseException) -> dict[int, str]:
+    """Report the ranks on the host behind ``exc``'s peer address as lost (they could not report themselves)."""
+    reports = {
+        lost: f"rank {lost}: lost without a report: the connection to {place.host} ({place.address}) broke "
+        f"(killed, or its host went down)"
+        for lost, place in topology.lost_peers(exc, rank).items()
+    }
+    for lost, report in reports.items():
+        store.set(f"{KEY_PREFIX}{lost}", report)
+    return reports
+
+
 def peer_failure_error(rank: int, reports: dict[int, str], exc: BaseException) -> PeerFailureError:
     """The error of a rank whose collective broke, given its peers' ``reports`` (possibly none)."""
     own = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -108,7 +126,8 @@ def translate_failure(store: dist.Store, rank: int, world: int, exc: Exception) 
     """
     try:
         if is_broken_collective(exc):
-            error = peer_failure_error(rank, peer_reports(store, rank, world), exc)
+            reports = peer_reports(store, rank, world) or report_lost_peers(store, rank, exc)
+            error = peer_failure_error(rank, reports, exc)
             # logged, not only raised: a launcher may reap this worker without printing its traceback
             logger.error("%s: %s", type(error).__name__, error)
             return error

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from nemo_automodel.components.distributed.blockdiag_cp import consensus, cost, exchange, kernels
+from nemo_automodel.components.distributed.blockdiag_cp import consensus, cost, exchange, kernels, topology
 from nemo_automodel.components.distributed.blockdiag_cp import state as state_module
 from nemo_automodel.components.distributed.blockdiag_cp.consensus import CallRecorder, group_size
 from nemo_automodel.components.distributed.blockdiag_cp.exchange import ExchangeOp, KVPlan, Route
@@ -76,39 +76,31 @@ def reset_exchange_stats(state: StepState | None = None) -> None:
         state.stats.exchange_calls = 0
 
 
-def _local_world_size() -> int:
-    """Processes on this node: ``LOCAL_WORLD_SIZE``, else ``NPROC_PER_NODE``, else visible GPUs (0 = unknown)."""
-    for var in ("LOCAL_WORLD_SIZE", "NPROC_PER_NODE"):
-        value = os.environ.get(var, "").strip()
-        if value.isdigit() and int(value) > 0:
-            return int(value)
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 def _cp_group_spans_nodes(group: dist.ProcessGroup | None) -> bool:
-    """True when the CP group is larger than this node's world size.
+    """True when the CP group's ranks run on more than one host (their real hostnames).
 
-    Needed-only exchanges are peer-to-peer heavy; across nodes they depend on the
-    fabric, so they are disabled (one warning per process) and all-gather is
-    used. ``NEMO_CP_ALLOW_XNODE=1`` forces ``False``. When the node size is
-    unknown (no launcher variables, no GPUs) the group is assumed node-local.
+    Needed-only exchanges are point-to-point messages between any two CP ranks; those
+    between nodes pay the inter-node link's latency and bandwidth, so they are disabled
+    (the reason logged once per process) and all-gather is used. ``NEMO_CP_ALLOW_XNODE=1`` forces ``False``.
+    The hostnames are gathered once per group (:mod:`.topology`: at mesh build in the
+    recipe, else at the first call, which every CP rank reaches at the same point).
     """
-    if os.environ.get("NEMO_CP_ALLOW_XNODE") == "1":
+    where = topology.group_hosts(group)
+    if not where.spans_nodes:
         return False
-    world = group_size(group)
-    local = _local_world_size()
-    spans = 0 < local < world
-    if spans:
-        log_once(
-            logger,
-            "cp-group-spans-nodes",
-            logging.WARNING,
-            "needed-only KV exchange disabled: the CP group (cp_size=%d) spans nodes (local world size %d); "
-            "using all-gather. Set NEMO_CP_ALLOW_XNODE=1 to force needed-only exchange across nodes.",
-            world,
-            local,
-        )
-    return spans
+    allowed = os.environ.get("NEMO_CP_ALLOW_XNODE") == "1"
+    log_once(
+        logger,
+        "cp-group-spans-nodes",
+        logging.WARNING,
+        "the CP group spans nodes (%s): %s",
+        where.describe(),
+        "NEMO_CP_ALLOW_XNODE=1 keeps needed-only K/V exchanges across nodes"
+        if allowed
+        else "needed-only K/V exchange disabled (its point-to-point messages between nodes would cross the "
+        "inter-node link); using all-gather. Set NEMO_CP_ALLOW_XNODE=1 to force needed-only exchange across nodes.",
+    )
+    return not allowed
 
 
 def _needed_only_kernel_succeeded_on_all_ranks(
@@ -220,6 +212,8 @@ def _kv_plan(state: StepState) -> KVPlan:
 def _route(state: StepState, device: torch.device) -> Route:
     """The step's K/V route (path, plan, sends, where each group's keys are), built on the first call."""
     if state.cache.route is None:
+        if state.cp_size > 1:  # before any knob decides anything: every rank takes part in the (one-time) gather
+            topology.group_hosts(state.group)
         path, plan, reason = _select_kv_exchange_path(
             state, state.group, state.doc_ids, state.local_len, device, state.row_offset
         )
