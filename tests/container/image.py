@@ -16,8 +16,9 @@ pip installs read only that cache (a pip.conf mounted for the build: ``no-index`
 needs no network and a second build downloads nothing. The base image is tagged with a hash of
 its inputs and reused while they are unchanged.
 
-Containers here need root (rootful buildah and podman), ``--isolation chroot`` for the build's
-RUN steps, and ``runc`` with explicit ``--ulimit`` values to run: see :data:`RUN_OPTIONS`.
+Everything runs as root (rootful buildah and podman). The build's RUN steps use ``--isolation
+chroot`` (no OCI runtime or cgroups needed); the image runs under ``runc`` with explicit
+``--ulimit`` values, which this sandbox requires: see :data:`TOOLS` and :func:`ulimit_options`.
 
 Command line (``--help`` for the options)::
 
@@ -73,6 +74,7 @@ IMAGE = "localhost/blockdiag-cp:local"
 # binary -> Debian package. crun refuses a cgroup v1/v2 hybrid whose v2 side has controllers
 # ("cgroups in hybrid mode not supported"), as on these machines; runc runs there and anywhere else.
 TOOLS = {"buildah": "buildah", "podman": "podman", "runc": "runc", "mmdebstrap": "mmdebstrap"}
+RUN_OPTIONS = ("--runtime", "runc")  # podman's global options for every run
 SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "blockdiag-cp" / "container"
 WHEELS_IN_BUILD = "/mnt"  # an empty directory in every Debian image: mounting there leaves nothing behind
@@ -109,9 +111,9 @@ class Timings:
         return ", ".join(f"{name} {seconds:.0f}s" for name, seconds in self.seconds.items())
 
 
-def run(*command: str | Path, timeout_s: float = STEP_TIMEOUT_S, **kwargs) -> subprocess.CompletedProcess[str]:
+def run(*command: str | Path, timeout_s: float = STEP_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
     """Run a command to completion; a non-zero exit raises :class:`ImageError` with its output."""
-    done = subprocess.run([str(part) for part in command], capture_output=True, text=True, timeout=timeout_s, **kwargs)
+    done = subprocess.run([str(part) for part in command], capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0:
         output = (done.stdout + done.stderr).strip()[-4000:]
         raise ImageError(f"{' '.join(map(str, command))} exited {done.returncode}:\n{output}")
@@ -373,10 +375,9 @@ def ulimit_options() -> list[str]:
     return options
 
 
-RUN_OPTIONS = ["--runtime", "runc"]  # global podman options; see TOOLS for why runc
-
-
-def podman_run(image: str, *command: str, options: tuple[str, ...] = (), timeout_s: float = STEP_TIMEOUT_S):
+def podman_run(
+    image: str, *command: str, options: tuple[str, ...] = (), timeout_s: float = STEP_TIMEOUT_S
+) -> subprocess.CompletedProcess[str]:
     """``podman run --rm`` with no network (nothing the image runs needs one); returns the completed run."""
     return subprocess.run(
         [
@@ -434,7 +435,7 @@ def main(argv: list[str]) -> int:
     else:
         timings = build(args.tag, args.cache)
         print(f"image: {args.tag}\nrun it: {run_command(args.tag)}")
-    print(f"took: {timings or 'nothing to build'}")
+    print(f"took: {timings}")
     return 0
 
 
