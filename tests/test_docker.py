@@ -1,133 +1,40 @@
-"""``docker/Dockerfile`` without a Docker engine: lint, base-image pin, versions, build context.
+"""``docker/Dockerfile`` read statically: lint, base-image pin, versions, guard, build context.
 
-Docker cannot build on the CI machines, so the image is checked statically: hadolint finds
-nothing, the base is an exact NGC PyTorch release (overridable), every version the Dockerfile
-installs agrees with ``pyproject.toml`` (both parsed here, nothing hard-coded), the base image's
-frameworks are never reinstalled, and ``.dockerignore`` lets in what the build needs.
+These checks need no container engine (``tests/container`` builds and runs the image on a local
+base): hadolint finds nothing, the base is an exact NGC PyTorch release (overridable), every
+version the Dockerfile installs agrees with ``pyproject.toml`` and every recipe pin is either
+installed or left to the base image (both files parsed, nothing hard-coded), the base image's
+packages are never reinstalled and the build's guard watches all of them, and ``.dockerignore``
+lets in what the build needs.
 """
 
 from __future__ import annotations
 
-import json
 import re
-import shlex
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:
-    import tomli as tomllib
+from tests.container.dockerfile import (
+    BASE_IMAGE_PACKAGES,
+    DOCKERFILE,
+    REPO,
+    installed_requirements,
+    instructions,
+    is_base_image_package,
+    pip_installs,
+    pyproject,
+    pyproject_requirements,
+    recipe_requirements,
+    shell_commands,
+)
 
-REPO = Path(__file__).resolve().parents[1]
-DOCKERFILE = REPO / "docker" / "Dockerfile"
 DOCKERIGNORE = REPO / ".dockerignore"
 EXACT_NGC_PYTORCH = re.compile(r"nvcr\.io/nvidia/pytorch:\d{2}\.\d{2}-py3")
-# What the NGC PyTorch image provides and the project must never replace (name prefixes, so
-# split distributions such as transformer-engine-torch count too).
-BASE_IMAGE_FRAMEWORKS = ("torch", "transformer-engine", "flash-attn")
-SHELL_OPERATORS = {"&&", "||", ";", "|", "&", "(", ")"}
-PIP_OPTIONS_WITH_VALUE = {"-c", "--constraint", "-i", "--index-url", "--extra-index-url", "-f", "--find-links"}
-# Requirements read from elsewhere would escape the version check below.
-PIP_OPTIONS_REFUSED = {"-r", "--requirement", "-e", "--editable"}
-
-
-@dataclass(frozen=True)
-class Instruction:
-    keyword: str
-    arguments: str
-
-
-@dataclass(frozen=True)
-class PipInstall:
-    options: tuple[str, ...]
-    requirements: tuple[Requirement, ...]
-    paths: tuple[str, ...]
-
-
-def instructions(text: str) -> list[Instruction]:
-    """The Dockerfile's instructions, continuation lines joined and comment lines dropped."""
-    parsed: list[Instruction] = []
-    pending = ""
-    for line in text.splitlines():
-        if line.lstrip().startswith("#"):
-            continue
-        if line.endswith("\\"):
-            pending += line[:-1] + " "
-            continue
-        whole = (pending + line).strip()
-        pending = ""
-        if whole:
-            keyword, _, arguments = whole.partition(" ")
-            parsed.append(Instruction(keyword.upper(), arguments.strip()))
-    return parsed
-
-
-def shell_commands(run_arguments: str) -> list[list[str]]:
-    """The simple commands of a RUN (shell or exec form), split at shell operators."""
-    if run_arguments.startswith("["):
-        return [json.loads(run_arguments)]
-    lexer = shlex.shlex(run_arguments, posix=True, punctuation_chars=True)
-    lexer.whitespace_split = True
-    commands: list[list[str]] = [[]]
-    for token in lexer:
-        if token in SHELL_OPERATORS:
-            commands.append([])
-        else:
-            commands[-1].append(token)
-    return [command for command in commands if command]
-
-
-def pip_install(arguments: list[str]) -> PipInstall:
-    options: list[str] = []
-    requirements: list[Requirement] = []
-    paths: list[str] = []
-    tokens = iter(arguments)
-    for token in tokens:
-        assert "$" not in token, f"cannot check a pip argument that the build expands: {token}"
-        assert token.split("=")[0] not in PIP_OPTIONS_REFUSED, f"list the pins inline, not via {token}"
-        if token.startswith("-"):
-            options.append(token)
-            if token in PIP_OPTIONS_WITH_VALUE:
-                next(tokens)
-        elif token.startswith((".", "/")):
-            paths.append(token)
-        else:
-            requirements.append(Requirement(token))
-    return PipInstall(tuple(options), tuple(requirements), tuple(paths))
-
-
-def pip_installs(dockerfile: str) -> list[PipInstall]:
-    installs = []
-    for instruction in instructions(dockerfile):
-        if instruction.keyword != "RUN":
-            continue
-        for command in shell_commands(instruction.arguments):
-            for at, word in enumerate(command[:-1]):
-                if word in ("pip", "pip3") and command[at + 1] == "install":
-                    installs.append(pip_install(command[at + 2 :]))
-    return installs
-
-
-def pyproject_requirements() -> list[Requirement]:
-    """Every requirement pyproject.toml declares: the dependencies and all extras."""
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    declared = list(project.get("dependencies", []))
-    for extra in project.get("optional-dependencies", {}).values():
-        declared.extend(extra)
-    return [Requirement(text) for text in declared]
-
-
-def is_base_image_framework(requirement: Requirement) -> bool:
-    name = canonicalize_name(requirement.name)
-    return any(name == framework or name.startswith(f"{framework}-") for framework in BASE_IMAGE_FRAMEWORKS)
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +65,7 @@ def test_base_image_is_an_exact_ngc_release_overridable_by_build_arg(dockerfile:
 
 def test_every_version_the_dockerfile_installs_matches_pyproject(dockerfile: str) -> None:
     declared = {canonicalize_name(requirement.name): requirement.specifier for requirement in pyproject_requirements()}
-    installed = [requirement for install in pip_installs(dockerfile) for requirement in install.requirements]
+    installed = installed_requirements(dockerfile)
     assert installed, "found no pinned pip install in the Dockerfile"
     for requirement in installed:
         pins = [spec for spec in requirement.specifier if spec.operator == "=="]
@@ -168,9 +75,43 @@ def test_every_version_the_dockerfile_installs_matches_pyproject(dockerfile: str
         assert requirement.specifier == declared[name], f"Dockerfile: {requirement}; pyproject.toml: {declared[name]}"
 
 
-def test_base_image_frameworks_are_never_installed(dockerfile: str) -> None:
-    installed = [requirement for install in pip_installs(dockerfile) for requirement in install.requirements]
-    assert not [requirement for requirement in installed if is_base_image_framework(requirement)]
+def test_every_recipe_pin_is_installed_or_left_to_the_base_image(dockerfile: str) -> None:
+    installed = {canonicalize_name(requirement.name) for requirement in installed_requirements(dockerfile)}
+    unaccounted = [
+        str(requirement)
+        for requirement in recipe_requirements()
+        if canonicalize_name(requirement.name) not in installed and not is_base_image_package(requirement.name)
+    ]
+    assert not unaccounted, (
+        f"pyproject.toml's recipe extra pins {unaccounted}, which the Dockerfile neither installs nor leaves to "
+        f"the base image {BASE_IMAGE_PACKAGES}: add them to its pip install"
+    )
+
+
+def test_base_image_packages_are_never_installed(dockerfile: str) -> None:
+    installed = installed_requirements(dockerfile)
+    assert not [requirement for requirement in installed if is_base_image_package(requirement.name)]
+
+
+def guard_pattern(dockerfile: str) -> re.Pattern[str]:
+    """The ``grep -iE`` pattern of the RUN that snapshots the base image's packages around the install."""
+    for instruction in instructions(dockerfile):
+        commands = shell_commands(instruction.arguments) if instruction.keyword == "RUN" else []
+        if any(command[0] == "diff" for command in commands) and pip_installs(f"RUN {instruction.arguments}"):
+            for command in commands:
+                if command[:2] == ["grep", "-iE"]:
+                    return re.compile(command[2], re.IGNORECASE)
+    raise AssertionError("no RUN compares `pip list | grep -iE ...` before and after its pip install (diff)")
+
+
+def test_the_build_fails_if_any_base_image_package_changes(dockerfile: str) -> None:
+    pattern = guard_pattern(dockerfile)
+    # pip list spells names as their distributions do: hyphens or underscores, split distributions.
+    watched = [f"{name}==1.0" for package in BASE_IMAGE_PACKAGES for name in (package, package.replace("-", "_"))]
+    watched += ["transformer_engine_torch==2.10.0", "flash_attn_3==3.0.0", "torch==2.10.0a0+b4e4ee81d3"]
+    assert not [line for line in watched if not pattern.match(line)], "the guard does not watch every base package"
+    installed = [f"{requirement.name}==1.0" for requirement in installed_requirements(dockerfile)]
+    assert not [line for line in installed if pattern.match(line)], "the guard would watch what the Dockerfile installs"
 
 
 def test_project_is_installed_without_pulling_its_dependencies(dockerfile: str) -> None:
@@ -219,7 +160,7 @@ def in_build_context(path: str, rules: list[tuple[bool, re.Pattern[str]]]) -> bo
 
 def test_build_context_holds_what_the_build_needs_and_no_tests() -> None:
     rules = dockerignore_rules(DOCKERIGNORE.read_text())
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    project = pyproject()["project"]
     needed = ["pyproject.toml", project["readme"], "recipes/slurm/finetune.sbatch"]
     needed += [str(path.relative_to(REPO)) for path in (REPO / "nemo_automodel").rglob("*.py")]
     needed += [str(path.relative_to(REPO)) for path in REPO.glob("recipes/*.py")]
