@@ -14,6 +14,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from nemo_automodel.components.config.schema import CPConfig
+from nemo_automodel.components.datasets.packing import IGNORE_INDEX
 from nemo_automodel.components.distributed.blockdiag_cp import (
     cost,
     cp_attn_fire_count,
@@ -73,6 +74,7 @@ class StepResult:
         loss: Mean CE over every label token of the global batch.
         grad_norm: Global gradient norm before clipping.
         tokens: Non-padding tokens of the global batch.
+        loss_tokens: Label tokens of the global batch (what the loss averages over).
         kv_path: K/V exchange of the step's last CP attention call (``None`` at ``cp = 1``).
         kv_tokens_received: K/V tokens that call received, summed over all ranks.
         skipped: The step saw NaN/Inf (``trainer.on_nonfinite=skip``): no optimizer update.
@@ -84,6 +86,7 @@ class StepResult:
     kv_path: str | None
     kv_tokens_received: int
     skipped: bool = False
+    loss_tokens: int = 0
 
 
 class NonFiniteStepError(RuntimeError):
@@ -202,8 +205,9 @@ def train_step(
     if check_cp:
         reset_cp_attn_fire_count()
     shards = [_shard(setup, row) for row in rows]
+    label_count = global_label_count([local["labels"] for _, local in shards], setup.reduce_group)
     # clamp: a step whose rows hold only one-token documents has no label (its loss is 0, not NaN)
-    total_labels = global_label_count([local["labels"] for _, local in shards], setup.reduce_group).clamp(min=1)
+    total_labels = label_count.clamp(min=1)
     ce_sum = torch.zeros((), dtype=torch.float64, device=setup.device)
     tokens = torch.zeros((), dtype=torch.int64, device=setup.device)
     states: list[StepState] = []
@@ -248,4 +252,37 @@ def train_step(
         kv_path=stats["path"] if stats else None,
         kv_tokens_received=int(totals[2]),
         skipped=report is not None,
+        loss_tokens=int(label_count),
     )
+
+
+@dataclass(frozen=True)
+class ValidationResult:
+    """Global validation figures: mean CE over every label token, its exponential, and the token count."""
+
+    loss: float
+    ppl: float
+    loss_tokens: int
+
+
+def validate(model: torch.nn.Module, rows: list[dict[str, torch.Tensor]], setup: StepSetup) -> ValidationResult:
+    """Collective over ``dp x cp``: the validation loss of ``rows`` through the training's CP path, without grads.
+
+    Args:
+        rows: This dp rank's validation rows, each ``{input_ids, labels, position_ids, _packed_seq_ids}``
+            ``[1, S]``; every dp rank passes the same number (FSDP gathers parameters in each forward).
+    """
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=setup.device)  # [CE sum, label tokens]
+    with torch.no_grad():
+        for row in rows:
+            train_ctx, local = _shard(setup, row)
+            with train_ctx(), attention_scope(setup.attention), _autocast(setup):
+                logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+            totals[0] += token_ce_sum(logits, local["labels"]).double()
+            totals[1] += (local["labels"] != IGNORE_INDEX).sum()
+    model.train(was_training)
+    dist.all_reduce(totals, group=setup.reduce_group)
+    loss = float(totals[0] / totals[1].clamp(min=1))
+    return ValidationResult(loss, math.exp(min(loss, 700.0)), int(totals[1]))
