@@ -113,7 +113,7 @@ def _check_messages(messages: Any, cfg: DataConfig) -> None:
     if not isinstance(messages, list) or not messages:
         raise ValueError(
             f"has no non-empty list {cfg.messages_field!r}; data=chat expects {{{cfg.messages_field!r}: "
-            "[{'role': ..., 'content': ...}, ...]}} per row (or set data.messages_field); a row of another format "
+            "[{'role': ..., 'content': ...}, ...]} per row (or set data.messages_field); a row of another format "
             "means the file mixes formats"
         )
     for i, message in enumerate(messages):

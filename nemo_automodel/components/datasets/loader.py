@@ -64,6 +64,8 @@ def to_documents(
         ValueError: naming the row, for a record the format or the length policy rejects.
     """
     eos = eos_for(cfg, tokenizer)
+    if cfg.source == "chat" and not tokenizer.chat_template:
+        tokenizer.render_chat([], add_generation_prompt=False)  # raises the no-template error, before any row
     docs: list[Document] = []
     stats = FormatStats()
     for where, record in records:
@@ -116,11 +118,10 @@ def _hold_out(docs: list[Document], fraction: float, seed: int) -> tuple[list[Do
     return [d for i, d in enumerate(docs) if i not in held], [d for i, d in enumerate(docs) if i in held]
 
 
-def _pack(cfg: DataConfig, docs: list[Document], tokenizer: Any, what: str) -> PackedRows:
+def _pack(cfg: DataConfig, docs: list[Document], stats: FormatStats, tokenizer: Any, what: str) -> PackedRows:
     if not docs:
         raise ValueError(
-            f"{what}: no documents left (every row was empty or longer than data.seq_len={cfg.seq_len}); "
-            "raise data.seq_len or check the data"
+            f"{what}: no documents left ({stats.summary(cfg.seq_len)}); raise data.seq_len or check the data"
         )
     rows = pack_documents(docs, cfg.seq_len, cfg.packing_algorithm, tokenizer.pad_id, cfg.seed, cfg.long_documents)
     if not bool((rows.labels != -100).any()):
@@ -145,17 +146,20 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, scratch: Path | None = None) -
             raise ValueError(f"data.path={cfg.path}: no documents found (expected one JSON object per line / row)")
         docs, stats = to_documents(cfg, records, tokenizer)
         held: list[Document] | None = None
+        held_stats = stats
         fraction = cfg.validation_fraction
         if fraction is not None:
             docs, held = _hold_out(docs, fraction, cfg.seed)
         elif cfg.validation is not None:
             val_records = _records(cfg, cfg.validation, None, "data.validation", Path(tmp))
-            held, _ = to_documents(cfg, val_records, tokenizer)
-    train = _pack(cfg, docs, tokenizer, "data")
-    validation = None if held is None else _pack(cfg, held, tokenizer, "data.validation")
+            held, held_stats = to_documents(cfg, val_records, tokenizer)
+    train = _pack(cfg, docs, stats, tokenizer, "data")
+    validation = None if held is None else _pack(cfg, held, held_stats, tokenizer, "data.validation")
     summary = f"{stats.summary(cfg.seq_len)}; {len(docs)} training documents"
     if held is not None:
         summary += f", {len(held)} validation documents"
+        if held_stats is not stats:
+            summary += f" (validation file: {held_stats.summary(cfg.seq_len)})"
     return PackedData(train, validation, summary)
 
 

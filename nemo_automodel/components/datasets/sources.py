@@ -131,8 +131,14 @@ def read_records(
             table = _load(path, cache_dir)
         except Exception as exc:  # pyarrow / datasets errors: find the exact line when it is JSON
             if path.suffix in (".json", ".jsonl"):
+                scanned = 0
                 for line_no, record in _scan_json(path, field):
                     _checked(check, record, f"{field}={path}: line {line_no}")
+                    scanned += 1
+                if not scanned:
+                    raise ValueError(
+                        f"{field}={path}: no documents found (expected one JSON object per line)"
+                    ) from None
             cause = exc.__cause__ or exc
             raise ValueError(f"{field}={path}: could not be read as {BUILDERS[path.suffix]} ({cause})") from None
         for row, record in enumerate(table, start=1):
