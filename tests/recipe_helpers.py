@@ -53,8 +53,15 @@ def read_losses(run_dir: Path) -> dict[int, float]:
     return losses
 
 
+def read_metrics(run_dir: Path) -> dict[int, dict[str, Any]]:
+    """``{step: metrics.jsonl record}`` (a later line for the same step wins)."""
+    path = run_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return {r["step"]: r for r in records}
+
+
 def train_in_pool(payload: dict[str, Any], run_dir: str) -> dict[str, Any] | None:
-    """Pool worker: train on the pool's process group; rank 0 returns losses and the exported weights."""
+    """Pool worker: train on the pool's process group; rank 0 returns losses, metrics and the exported weights."""
     from safetensors.torch import load_file
 
     config = to_finetune_config(payload)
@@ -66,6 +73,7 @@ def train_in_pool(payload: dict[str, Any], run_dir: str) -> dict[str, Any] | Non
     return {
         "code": code,
         "losses": read_losses(Path(run_dir)),
+        "metrics": read_metrics(Path(run_dir)),
         "weights": load_file(str(Path(run_dir) / "hf" / "model.safetensors")),
     }
 
@@ -126,12 +134,13 @@ CHAT_TEMPLATE = (
 
 def save_chat_tokenizer(path: Path, chat_template: str | None = CHAT_TEMPLATE) -> Any:
     """Save a character-level tokenizer (``<|end|>`` is its EOS) with ``chat_template`` into ``path``."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {t: i for i, t in enumerate(CHAT_SPECIALS)} | {c: i + len(CHAT_SPECIALS) for i, c in enumerate(CHAT_CHARS)}
     core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()  # characters back to text without separators
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,
         pad_token="[PAD]",
