@@ -36,7 +36,7 @@ def test_local_model_tokenizer_and_jsonl_train_with_cp2(pools, tmp_path, local_m
     cfg = {
         "model": {"pretrained_path": str(local_model_dir)},
         "tokenizer": {"name_or_path": str(local_model_dir)},
-        "data": {"source": "jsonl", "path": str(data), "seq_len": 128},
+        "data": {"source": "jsonl", "path": str(data), "seq_len": 128, "cache_dir": str(tmp_path / "cache")},
         "cp": {"size": 2},
         "trainer": {"max_steps": 3, "ckpt_every": 0},
     }

@@ -2,8 +2,9 @@
 
 Such an error is the user's to fix, and its message says how (it names the field);
 a traceback would bury it. The recipe catches ``ValueError`` where it validates the
-config, opens paths and prepares the data (:func:`input_errors`), logs the message,
-writes the traceback only to the log files (``finetune.log``) and exits with
+config, opens paths and prepares the data (:func:`input_errors`), prints
+``error: <message>`` to stderr, writes message and traceback only to the log files
+(``finetune.log``) and exits with
 :data:`EXIT_INPUT_ERROR`; the local launcher recognises that exit code and does
 not print the workers' tracebacks either.
 """
@@ -51,12 +52,15 @@ def log_to_files_only(record: logging.LogRecord) -> None:
 
 
 def report_input_error(exc: ValueError, show: bool = True) -> int:
-    """Log ``exc``'s message (when ``show``) and its traceback (log files only); return :data:`EXIT_INPUT_ERROR`."""
+    """Print ``error: <message>`` to stderr (when ``show``), log it with its traceback to the log files only.
+
+    Returns:
+        :data:`EXIT_INPUT_ERROR`.
+    """
     if show and not getattr(exc, "echo", False):
-        logger.error("%s", exc)
+        print(f"error: {exc}", file=sys.stderr, flush=True)
     record = logger.makeRecord(
-        logger.name, logging.ERROR, __file__, 0, "input error (traceback):", (), (type(exc), exc, exc.__traceback__)
+        logger.name, logging.ERROR, __file__, 0, "%s", (exc,), (type(exc), exc, exc.__traceback__)
     )
     log_to_files_only(record)
-    sys.stderr.flush()
     return EXIT_INPUT_ERROR
