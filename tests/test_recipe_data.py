@@ -139,10 +139,11 @@ def test_validation_fraction_holds_out_documents_and_each_dp_rank_gets_the_same_
     train_docs, val_docs = (int(r.seq_ids.amax(dim=1).sum()) for r in (data.train, data.validation))
     assert (train_docs, val_docs) == (30, 10)
     n = len(data.validation)
-    per_rank = [rows_for_rank(data.validation, 3, r) for r in range(3)]
-    assert {len(rows) for rows in per_rank} == {-(-n // 3)}
-    labelled = sum(int((row["labels"] != -100).sum()) for rows in per_rank for row in rows)
-    assert labelled == int((data.validation.labels != -100).sum()), "the top-up rows carry no label"
+    for dp in (3, n + 1):  # n + 1: the last rank gets only a top-up row
+        per_rank = [rows_for_rank(data.validation, dp, r) for r in range(dp)]
+        assert {len(rows) for rows in per_rank} == {-(-n // dp)}
+        labelled = sum(int((row["labels"] != -100).sum()) for rows in per_rank for row in rows)
+        assert labelled == int((data.validation.labels != -100).sum()), "the top-up rows carry no label"
 
 
 def test_the_cache_is_built_once_by_rank_0_and_read_by_the_others(tmp_path, chat_tokenizer, caplog):
