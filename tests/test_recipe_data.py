@@ -177,3 +177,51 @@ def test_a_data_error_on_rank_0_stops_the_waiting_ranks_with_the_same_message(tm
     with pytest.raises(ValueError, match="has role 'robot'") as other:
         load_data(cfg, chat_tokenizer, False, store)
     assert str(other.value) == str(main.value) and other.value.echo
+
+
+def test_a_validation_file_is_packed_apart_in_the_training_format(tmp_path):
+    train = _write(tmp_path / "train.jsonl", [{"text": f"train {i}"} for i in range(20)])
+    held = _write(tmp_path / "val.jsonl", [{"text": "held out"}] * 3)
+    data = prepare_data(DataConfig(source="text", path=str(train), seq_len=64, validation=str(held)), ByteTokenizer())
+    assert "20 training documents, 3 validation documents" in data.summary
+    assert int(data.validation.seq_ids.amax(dim=1).sum()) == 3
+    assert bytes(data.validation.input_ids[0, :9].tolist()) == b"held out\x00"
+
+
+def test_the_planner_plans_the_rows_the_recipe_would_train_on(tmp_path, chat_tokenizer, capsys):
+    from nemo_automodel.components.distributed.blockdiag_cp import plan
+
+    path = _write(tmp_path / "chat.jsonl", [{"messages": _turns(i % 3 + 1)} for i in range(30)])
+    rows = prepare_data(DataConfig(source="chat", path=str(path), seq_len=64), chat_tokenizer).train
+    docs = [int(r.max()) for r in rows.seq_ids[:4]]
+    plan.main(
+        ["--cp", "2", "--seq-len", "64", "--rows", "4", "--data", str(path), "--data-format", "chat"]
+        + ["--tokenizer", chat_tokenizer.name]
+    )
+    assert f"rows=4 docs/row={sum(docs) / 4:.1f} " in capsys.readouterr().out
+
+
+def test_export_config_keeps_the_models_attention_settings_and_turns_the_kv_cache_on():
+    from transformers import Qwen2Config
+
+    from nemo_automodel.components.checkpoint.hf_export import export_config, export_dtype
+
+    trained = Qwen2Config(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=1,
+        eos_token_id=3,
+        use_cache=False,  # as the recipe trains it
+    )
+    out = export_config(trained, export_dtype("auto", torch.bfloat16), eos_id=5, pad_id=0, built=False)
+    for name in ("sliding_window", "use_sliding_window", "max_window_layers", "layer_types", "num_key_value_heads"):
+        assert getattr(out, name) == getattr(trained, name), name
+    assert out.use_cache is True and out.dtype == torch.bfloat16 and out.eos_token_id == [3, 5]
+    assert export_dtype("float32", torch.bfloat16) == torch.float32 and export_dtype("auto", None) == torch.float32
+    built = export_config(trained, torch.float32, eos_id=5, pad_id=0, built=True)
+    assert built.eos_token_id == 5 and built.bos_token_id is None, "a built model takes the tokenizer's ids"

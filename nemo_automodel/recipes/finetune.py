@@ -145,6 +145,7 @@ def train(config: FinetuneConfig, run_dir: Path, topology: Topology, device: tor
 
     with input_errors():
         tokenizer = build_tokenizer(config.tokenizer, config.model.pretrained_path)
+        # the job's c10d store (no public accessor; failure.py reads it the same way): rank 0 posts the data there
         data = load_data(config.data, tokenizer, topology.is_main, dist.distributed_c10d._get_default_store())
         model = build_causal_lm(config.model, tokenizer.vocab_size, trainer.seed, trainer.activation_checkpointing)
     dataset = data.train

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -31,7 +32,7 @@ import torch
 
 from nemo_automodel.components.config.errors import InputError
 from nemo_automodel.components.config.schema import DataConfig
-from nemo_automodel.components.datasets.loader import PackedData, logger
+from nemo_automodel.components.datasets.loader import PackedData
 from nemo_automodel.components.datasets.packing import PackedRows
 from nemo_automodel.components.datasets.sources import resolve_files
 
@@ -40,6 +41,8 @@ DATA_FILE = "packed.pt"
 DEFAULT_CACHE_DIR = Path("~/.cache/nemo_automodel/data")
 _FIELDS = ("input_ids", "labels", "position_ids", "seq_ids")
 _POLL_S = 0.2
+
+logger = logging.getLogger("nemo_automodel.finetune")
 
 
 def _file_entries(cfg: DataConfig) -> list[tuple[str, int, int]]:
