@@ -157,14 +157,25 @@ def test_resume_never_refuses_a_used_run_dir(tmp_path, consoles, capsys):
 
 
 def _train_expecting_input_error(payload: dict, run_dir: str) -> str:
-    """Pool worker: ``train`` must raise an ``InputError`` on every rank; returns its message."""
+    """Pool worker: ``train`` must raise an ``InputError`` on every rank; returns its message.
+
+    TransformerEngine's kernel gets its real device constraint back for the call: an earlier test in
+    this shared pool may have let the fake TE (tests/fakes) run on CPU.
+    """
+    from dataclasses import replace
+
     from nemo_automodel.components.config.errors import InputError
+    from nemo_automodel.components.distributed.blockdiag_cp import kernels
     from tests.recipe_helpers import train_in_pool
 
+    spec = kernels.KERNELS["te"]
+    kernels.KERNELS["te"] = replace(spec, device_types=frozenset({"cuda"}))
     try:
         train_in_pool(payload, run_dir)
     except InputError as exc:
         return str(exc)
+    finally:
+        kernels.KERNELS["te"] = spec
     raise AssertionError("no InputError")
 
 
