@@ -334,10 +334,12 @@ def _log_setup(
     )
     if data.validation is not None:
         logger.info(
-            "validation: %d packed rows, %d label tokens; every %s",
+            "validation: %d packed rows, %d label tokens; evaluated %s",
             len(data.validation),
             int((data.validation.labels != -100).sum()),
-            f"{config.trainer.val_every} steps and after the last" if config.trainer.val_every else "run's end",
+            f"every {config.trainer.val_every} steps and after the last"
+            if config.trainer.val_every
+            else "after the last step",
         )
     logger.info(
         "model: %s, %.2fM parameters; global batch %d rows/step; %d steps",
