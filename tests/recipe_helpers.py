@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import string
 import subprocess
 import sys
 from pathlib import Path
@@ -52,8 +53,15 @@ def read_losses(run_dir: Path) -> dict[int, float]:
     return losses
 
 
+def read_metrics(run_dir: Path) -> dict[int, dict[str, Any]]:
+    """``{step: metrics.jsonl record}`` (a later line for the same step wins)."""
+    path = run_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return {r["step"]: r for r in records}
+
+
 def train_in_pool(payload: dict[str, Any], run_dir: str) -> dict[str, Any] | None:
-    """Pool worker: train on the pool's process group; rank 0 returns losses and the exported weights."""
+    """Pool worker: train on the pool's process group; rank 0 returns losses, metrics and the exported weights."""
     from safetensors.torch import load_file
 
     config = to_finetune_config(payload)
@@ -65,6 +73,7 @@ def train_in_pool(payload: dict[str, Any], run_dir: str) -> dict[str, Any] | Non
     return {
         "code": code,
         "losses": read_losses(Path(run_dir)),
+        "metrics": read_metrics(Path(run_dir)),
         "weights": load_file(str(Path(run_dir) / "hf" / "model.safetensors")),
     }
 
@@ -111,3 +120,48 @@ def recipe_env() -> dict[str, str]:
         env.pop(var, None)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return env
+
+
+# A character-level HF tokenizer with a chat template, and a matching tiny Llama (no hub: built here).
+CHAT_CHARS = string.ascii_letters + string.digits + " +-*=?!.,:;'\n"
+CHAT_SPECIALS = ("[PAD]", "[UNK]", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+# Every turn: role header, content, <|end|> (the EOS), newline; no {% generation %} markers.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def save_chat_tokenizer(path: Path, chat_template: str | None = CHAT_TEMPLATE) -> Any:
+    """Save a character-level tokenizer (``<|end|>`` is its EOS) with ``chat_template`` into ``path``."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(CHAT_SPECIALS)} | {c: i + len(CHAT_SPECIALS) for i, c in enumerate(CHAT_CHARS)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()  # characters back to text without separators
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        eos_token="<|end|>",
+        additional_special_tokens=list(CHAT_SPECIALS[2:5]),
+    )
+    tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(path)
+    return tokenizer
+
+
+def save_chat_model(path: Path, dtype: str = "float32") -> Path:
+    """A chat tokenizer and a tiny Llama of its vocabulary, saved into ``path`` (the model in ``dtype``)."""
+    from transformers import AutoModelForCausalLM
+
+    from nemo_automodel.components.config.schema import ModelConfig
+    from nemo_automodel.components.models.causal_lm import llama_config
+
+    tokenizer = save_chat_tokenizer(path)
+    config = llama_config(ModelConfig(**TINY_MODEL), vocab_size=len(tokenizer))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).save_pretrained(path)
+    return path

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from nemo_automodel.components.checkpoint import dcp as dcp_module
 from nemo_automodel.components.checkpoint.dcp import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from nemo_automodel.components.config.schema import DataConfig
-from nemo_automodel.components.datasets.loader import RowSchedule, build_packed_dataset
+from nemo_automodel.components.datasets.loader import RowSchedule, prepare_data
 from nemo_automodel.components.datasets.packing import pack_documents
 from nemo_automodel.components.datasets.tokenizer import ByteTokenizer
 from nemo_automodel.components.launcher.env import detect_launch, first_slurm_host, slurm_rendezvous_env
@@ -49,7 +49,7 @@ def test_long_documents_are_split_or_truncated():
 
 def test_synthetic_corpus_is_deterministic_long_tailed_and_exceeds_a_shard():
     cfg = DataConfig(seq_len=256, num_documents=300, max_doc_len=400)
-    a, b = build_packed_dataset(cfg, ByteTokenizer()), build_packed_dataset(cfg, ByteTokenizer())
+    a, b = prepare_data(cfg, ByteTokenizer()).train, prepare_data(cfg, ByteTokenizer()).train
     assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.seq_ids, b.seq_ids)
     lengths = torch.cat([torch.unique_consecutive(r[r > 0], return_counts=True)[1] for r in a.seq_ids])
     assert lengths.min() <= 8 and lengths.max() > 128, "from a few tokens to more than a cp=2 shard"

@@ -11,6 +11,7 @@ import sys
 import pytest
 from hydra import compose, initialize_config_dir
 
+from nemo_automodel.components.config.errors import EXIT_INPUT_ERROR
 from nemo_automodel.components.config.schema import register_schema, to_finetune_config
 from nemo_automodel.components.distributed.parallel import resolve_topology
 from tests.recipe_helpers import REPO, recipe_env, run_recipe
@@ -54,7 +55,7 @@ def test_topology_derives_dp_and_the_dp_rank():
 
 def test_script_rejects_a_bad_config_before_starting_workers(tmp_path):
     done = run_recipe(["+cp=blockdiag", "cp.kv_exchange=ring", f"hydra.run.dir={tmp_path}"], timeout=120)
-    assert done.returncode == 1
+    assert done.returncode == EXIT_INPUT_ERROR
     assert "Unknown kv_exchange 'ring'" in done.stderr
     assert "starting 2 local workers" not in done.stderr + done.stdout
 
@@ -76,5 +77,5 @@ def test_script_under_torchrun_env_rejects_cp_not_dividing_world(tmp_path):
         text=True,
         timeout=120,
     )
-    assert done.returncode == 1
+    assert done.returncode == EXIT_INPUT_ERROR
     assert "cp.size=2 does not divide the world size 3" in done.stderr

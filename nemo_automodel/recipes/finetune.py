@@ -3,8 +3,8 @@
 ``main`` runs once in the launching process (the Hydra app): it validates the
 config and either becomes the worker (torchrun / Slurm / a single local rank) or
 starts ``dp * cp`` local workers. ``worker_main`` joins the process group and
-calls ``train``, which reads top to bottom: data, model, optimizer, resume, loop,
-final checkpoint, HF export.
+calls ``train``, which reads top to bottom: data, model, optimizer, resume, loop
+(with validation), final checkpoint, HF export, summary.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +21,14 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from nemo_automodel.components.checkpoint.best import BEST_DIR, read_best, write_best
 from nemo_automodel.components.checkpoint.dcp import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
-from nemo_automodel.components.checkpoint.hf_export import export_hf
-from nemo_automodel.components.config.checks import check_paths
+from nemo_automodel.components.checkpoint.hf_export import export_config, export_dtype, export_hf
+from nemo_automodel.components.config.checks import check_attn_backend, check_paths, check_run_dir
+from nemo_automodel.components.config.errors import InputError, input_errors, report_input_error
 from nemo_automodel.components.config.schema import FinetuneConfig, to_finetune_config, to_plain_dict
-from nemo_automodel.components.datasets.loader import RowSchedule, build_packed_dataset
+from nemo_automodel.components.datasets.formats import answer_only
+from nemo_automodel.components.datasets.loader import PackedData, RowSchedule, load_data, rows_for_rank
 from nemo_automodel.components.datasets.tokenizer import HFTokenizer, build_tokenizer
 from nemo_automodel.components.distributed.parallel import (
     Topology,
@@ -35,11 +39,11 @@ from nemo_automodel.components.distributed.parallel import (
     shard_model,
     training_device,
 )
-from nemo_automodel.components.launcher.env import detect_launch
+from nemo_automodel.components.launcher.env import detect_launch, is_secondary_rank
 from nemo_automodel.components.launcher.local import free_port, launch_local_workers
-from nemo_automodel.components.models.causal_lm import build_causal_lm
+from nemo_automodel.components.models.causal_lm import build_causal_lm, pretrained_dtype
 from nemo_automodel.components.training.failure import propagate_failures
-from nemo_automodel.components.training.metrics import MetricsWriter, StepMetrics, configure_logging
+from nemo_automodel.components.training.metrics import LOG_FILE, MetricsWriter, StepMetrics, configure_logging
 from nemo_automodel.components.training.optim import build_optimizer, build_scheduler
 from nemo_automodel.components.training.preemption import (
     EXIT_PREEMPTED,
@@ -54,15 +58,26 @@ from nemo_automodel.components.training.step import (
     bf16_autocast,
     cp_options,
     train_step,
+    validate,
 )
 
 logger = logging.getLogger("nemo_automodel.finetune")
 
 
 def main(cfg: DictConfig, run_dir: Path) -> int:
-    """Validate ``cfg`` and run the job from the launching process; return its exit code."""
-    config = to_finetune_config(cfg)  # unknown values fail here, before any process starts
-    check_paths(config)
+    """Validate ``cfg`` and run the job from the launching process; return its exit code.
+
+    A config or path error prints its message (its traceback goes to the run dir's log only) and
+    returns :data:`EXIT_INPUT_ERROR` before any process starts.
+    """
+    show = not is_secondary_rank()  # under torchrun/srun every rank validates; rank 0 speaks
+    try:
+        config = to_finetune_config(cfg)  # unknown keys and values fail here, before any process starts
+        check_paths(config)
+        if show:
+            check_run_dir(config, run_dir)
+    except ValueError as exc:
+        return report_input_error(exc, show)
     launch = detect_launch(master_port=config.dist.master_port)
     payload = to_plain_dict(config)
     if launch.mode != "local":  # torchrun / srun: this process is one of the workers
@@ -93,47 +108,64 @@ def worker_main(payload: dict[str, Any], run_dir: str) -> int:
     config = to_finetune_config(payload)
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    topology = resolve_topology(world, rank, local_rank, config.cp.size, config.dist.dp_size)  # before any collective
+    try:
+        topology = resolve_topology(world, rank, local_rank, config.cp.size, config.dist.dp_size)  # no collective
+    except ValueError as exc:
+        return report_input_error(exc, rank == 0)
     device = training_device(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     init_process_group(device, config.dist.pg_timeout_s)
     try:
         with propagate_failures(rank, world):  # a failure here is named on every rank, not just a broken collective
             shared = [run_dir]
             dist.broadcast_object_list(shared, src=0)  # under torchrun every rank's Hydra made its own dir: rank 0's
-            return train(config, Path(shared[0]), topology, device)
+            try:
+                return train(config, Path(shared[0]), topology, device)
+            except InputError as exc:  # every rank raises it (config checks, rank 0's data outcome): rank 0 says it
+                return report_input_error(exc, topology.is_main)
     finally:
         dist.destroy_process_group()
 
 
 def train(config: FinetuneConfig, run_dir: Path, topology: Topology, device: torch.device) -> int:
-    """Collective: the training job on an initialized process group; return 0 or :data:`EXIT_PREEMPTED`."""
-    configure_logging(topology.rank)
+    """Collective: the training job on an initialized process group; return 0 or :data:`EXIT_PREEMPTED`.
+
+    Raises:
+        InputError: on every rank, for a config, path or data problem found while setting up.
+    """
+    configure_logging(topology.rank, run_dir)
     trainer = config.trainer
     seed_everything(trainer.seed)
+    with input_errors():
+        check_attn_backend(config, device)  # an explicit kernel that cannot run here: refused before training
     meshes = build_meshes(topology, device, config.dist.pg_timeout_s)
     if topology.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(OmegaConf.create(to_plain_dict(config)), run_dir / "resolved_config.yaml")
     check_shared_run_dir(run_dir, topology.rank)  # checkpoints need one run dir on every node
 
-    tokenizer = build_tokenizer(config.tokenizer)
-    dataset = build_packed_dataset(config.data, tokenizer)
+    with input_errors():
+        tokenizer = build_tokenizer(config.tokenizer, config.model.pretrained_path)
+        # the job's c10d store (no public accessor; failure.py reads it the same way): rank 0 posts the data there
+        data = load_data(config.data, tokenizer, topology.is_main, dist.distributed_c10d._get_default_store())
+        model = build_causal_lm(config.model, tokenizer.vocab_size, trainer.seed, trainer.activation_checkpointing)
+    dataset = data.train
     schedule = RowSchedule(len(dataset), topology.dp, trainer.grad_accum, config.data.seed)
-    model = build_causal_lm(config.model, tokenizer.vocab_size, trainer.seed, trainer.activation_checkpointing)
     hf_config = model.config
     model = shard_model(model.to(device), meshes.dp_cp)
     optimizer = build_optimizer(model, config.optim)
     scheduler = build_scheduler(optimizer, config.optim, trainer.max_steps)
-    _log_setup(config, topology, device, dataset, model, run_dir)
+    _log_setup(config, topology, device, data, model, run_dir)
+    validation = None if data.validation is None else rows_for_rank(data.validation, topology.dp, topology.dp_rank)
 
     ckpt_root = run_dir / "checkpoints"
     start_step = _resume(trainer.resume, ckpt_root, model, optimizer, scheduler, topology, schedule)
+    best = read_best(run_dir) if trainer.keep_best else None
 
-    def save(step: int) -> Path:
+    def save(step: int, root: Path = ckpt_root, keep: int = trainer.keep_checkpoints) -> Path:
         state = TrainerState(
             step, step * schedule.rows_per_step, scheduler.state_dict(), topology.world, topology.dp, topology.cp
         )
-        path = save_checkpoint(ckpt_root, state, model, optimizer, trainer.keep_checkpoints, topology.rank)
+        path = save_checkpoint(root, state, model, optimizer, keep, topology.rank)
         logger.info("checkpoint saved: %s", path)
         return path
 
@@ -150,6 +182,7 @@ def train(config: FinetuneConfig, run_dir: Path, topology: Topology, device: tor
         options=cp_options(config.cp, attention_shape(hf_config, bf16_autocast(trainer.bf16, device))),
     )
     writer = MetricsWriter(run_dir, topology.is_main, start_step, trainer.max_steps, trainer.log_every)
+    outputs = _Outputs(run_dir, latest_checkpoint(ckpt_root), best)
     preemption = PreemptionFlag().install()
     try:
         for step in range(start_step, trainer.max_steps):
@@ -161,45 +194,79 @@ def train(config: FinetuneConfig, run_dir: Path, topology: Topology, device: tor
                 model, optimizer, scheduler, rows, setup, step + 1, check_cp=step == start_step, preempt=preempt
             )
             elapsed = time.perf_counter() - began
+            done = step + 1
+            due = trainer.val_every and done % trainer.val_every == 0
+            val = validate(model, validation, setup) if validation and (due or done == trainer.max_steps) else None
             writer.log(
                 StepMetrics(
-                    step=step + 1,
+                    step=done,
                     loss=result.loss,
                     lr=lr,
                     grad_norm=result.grad_norm,
                     tokens=result.tokens,
+                    loss_tokens=result.loss_tokens,
                     tokens_per_s=result.tokens / elapsed,
                     step_time_s=elapsed,
                     kv_path=result.kv_path,
                     kv_tokens_received=result.kv_tokens_received if result.kv_path else None,
                     skipped=result.skipped,
+                    val_loss=None if val is None else val.loss,
+                    val_ppl=None if val is None else val.ppl,
                 )
             )
-            done = step + 1
-            if done < trainer.max_steps and result.preempted:
-                path = save(done)
+            if val is not None and trainer.keep_best and (outputs.best is None or val.loss < outputs.best[1]):
+                outputs.best = (done, val.loss)
+                path = save(done, run_dir / BEST_DIR, 1)
                 if topology.is_main:
-                    write_preempted_marker(run_dir, done, path, preemption.signal_name)
+                    write_best(run_dir, done, val.loss, path)
+            if done < trainer.max_steps and result.preempted:
+                outputs.checkpoint = save(done)
+                if topology.is_main:
+                    write_preempted_marker(run_dir, done, outputs.checkpoint, preemption.signal_name)
                     logger.warning(
                         "preempted (%s) after step %d: checkpoint %s saved; exit %d = requeue me",
                         preemption.signal_name or "signal on a peer rank",
                         done,
-                        path,
+                        outputs.checkpoint,
                         EXIT_PREEMPTED,
                     )
+                writer.summary(f"preempted after step {done} of {trainer.max_steps}", outputs.places(), outputs.best)
                 return EXIT_PREEMPTED
             if trainer.ckpt_every and done % trainer.ckpt_every == 0 and done < trainer.max_steps:
-                save(done)
+                outputs.checkpoint = save(done)
     finally:
         preemption.uninstall()
         writer.close()
 
     if start_step < trainer.max_steps:  # a run resumed at its last step has nothing new to save
-        save(trainer.max_steps)
+        outputs.checkpoint = save(trainer.max_steps)
     if trainer.export_hf:
-        _export(model, hf_config, tokenizer, run_dir / "hf", topology)
-    logger.info("done: %d steps; outputs in %s", trainer.max_steps, run_dir)
+        outputs.export = _export(config, model, hf_config, tokenizer, run_dir / "hf", topology)
+    writer.summary(f"finished {trainer.max_steps} steps", outputs.places(), outputs.best)
     return 0
+
+
+@dataclass
+class _Outputs:
+    """Where a run's outputs are, for the end-of-run summary (``best``: ``(step, validation loss)``)."""
+
+    run_dir: Path
+    checkpoint: Path | None
+    best: tuple[int, float] | None
+    export: Path | None = None
+
+    def places(self) -> dict[str, Path | None]:
+        tensorboard = self.run_dir / "tensorboard"
+        best = latest_checkpoint(self.run_dir / BEST_DIR) if self.best is not None else None
+        return {
+            "run dir": self.run_dir,
+            "metrics": self.run_dir / "metrics.jsonl",
+            "log": self.run_dir / LOG_FILE,
+            "checkpoint": self.checkpoint,
+            "best checkpoint": best,
+            "HF export": self.export,
+            "tensorboard": tensorboard if tensorboard.is_dir() else None,
+        }
 
 
 def _resume(
@@ -232,11 +299,12 @@ def _log_setup(
     config: FinetuneConfig,
     topology: Topology,
     device: torch.device,
-    dataset: Any,
+    data: PackedData,
     model: torch.nn.Module,
     run_dir: Path,
 ) -> None:
     n_params = sum(p.numel() for p in model.parameters())
+    dataset = data.train
     label_tokens = int((dataset.labels != -100).sum())
     fill = float((dataset.seq_ids > 0).float().mean())
     logger.info("run dir: %s", run_dir)
@@ -258,14 +326,25 @@ def _log_setup(
             config.model.attention,
         )
     logger.info(
-        "data: %s, %d packed rows of %d tokens (%.1f%% filled, %d label tokens, %s)",
+        "data: %s, %d packed rows of %d tokens (%.1f%% filled, %d label tokens: %s, %s); %s",
         config.data.source,
         len(dataset),
         config.data.seq_len,
         100 * fill,
         label_tokens,
+        "answers only" if answer_only(config.data) else "all tokens",
         config.data.packing_algorithm,
+        data.summary,
     )
+    if data.validation is not None:
+        logger.info(
+            "validation: %d packed rows, %d label tokens; evaluated %s",
+            len(data.validation),
+            int((data.validation.labels != -100).sum()),
+            f"every {config.trainer.val_every} steps and after the last"
+            if config.trainer.val_every
+            else "after the last step",
+        )
     logger.info(
         "model: %s, %.2fM parameters; global batch %d rows/step; %d steps",
         config.model.pretrained_path or "Llama from config",
@@ -275,9 +354,16 @@ def _log_setup(
     )
 
 
-def _export(model: torch.nn.Module, hf_config: Any, tokenizer: Any, out_dir: Path, topology: Topology) -> None:
-    path = export_hf(model, hf_config, out_dir, topology.rank)
+def _export(
+    config: FinetuneConfig, model: torch.nn.Module, hf_config: Any, tokenizer: Any, out_dir: Path, topology: Topology
+) -> Path | None:
+    """Collective: the HF export (model in its dtype, inference config, tokenizer); rank 0 returns its path."""
+    pretrained = config.model.pretrained_path
+    dtype = export_dtype(config.trainer.export_dtype, pretrained_dtype(pretrained) if pretrained else None)
+    out_config = export_config(hf_config, dtype, tokenizer.eos_id, tokenizer.pad_id, built=pretrained is None)
+    path = export_hf(model, out_config, out_dir, topology.rank, dtype)
     if path is not None:
         if isinstance(tokenizer, HFTokenizer):
             tokenizer.save_pretrained(path)
-        logger.info("HF export: %s", path)
+        logger.info("HF export (%s): %s", str(dtype).removeprefix("torch."), path)
+    return path

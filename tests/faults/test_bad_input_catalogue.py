@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import re
 import tempfile
 from collections.abc import Callable
@@ -22,10 +23,11 @@ import torch
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 
-from nemo_automodel.components.config.checks import check_paths
-from nemo_automodel.components.config.schema import ModelConfig, register_schema, to_finetune_config
-from nemo_automodel.components.datasets.jsonl import jsonl_documents
+from nemo_automodel.components.config.checks import check_attn_backend, check_paths, check_run_dir
+from nemo_automodel.components.config.schema import DataConfig, ModelConfig, register_schema, to_finetune_config
+from nemo_automodel.components.datasets.loader import prepare_data
 from nemo_automodel.components.datasets.packing import pack_documents
+from nemo_automodel.components.datasets.tokenizer import ByteTokenizer, HFTokenizer
 from nemo_automodel.components.distributed.blockdiag_cp import (
     CPOptions,
     attach_cp1_packed_varlen_hooks,
@@ -44,7 +46,7 @@ from nemo_automodel.components.launcher.env import first_slurm_host
 from nemo_automodel.components.models.causal_lm import build_causal_lm
 from nemo_automodel.components.training.step import _check_cp_reached_attention
 from tests.cases import cp_mesh
-from tests.recipe_helpers import REPO
+from tests.recipe_helpers import CHAT_TEMPLATE, REPO, save_chat_tokenizer
 from tests.reference import doc_ids_from_lengths
 
 CATALOGUE = REPO / "docs" / "bad_inputs.md"
@@ -252,11 +254,53 @@ def _values(*overrides: str) -> Callable[[], Any]:
     return lambda: _config(*overrides)
 
 
-def _jsonl(text: str) -> None:
+def _chat_tokenizer(template: str | None = CHAT_TEMPLATE, eos: bool = True) -> HFTokenizer:
+    """The tests' character-level chat tokenizer, saved and loaded (``eos=False``: without an EOS id)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        save_chat_tokenizer(Path(tmp), template)
+        tokenizer = HFTokenizer.load(tmp)
+    return tokenizer if eos else HFTokenizer(tokenizer.name, tokenizer.vocab_size, 0, None, tokenizer._tokenizer)
+
+
+def _data(text: str, tokenizer: Any = None, **fields: Any) -> None:
+    """The recipe's data preparation of one JSONL file holding ``text`` (``fields`` override the data config)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "data.jsonl"
         path.write_text(text)
-        jsonl_documents(path)
+        cfg = DataConfig(**{"source": "text", "path": str(path), "seq_len": 64, **fields})
+        prepare_data(cfg, tokenizer or ByteTokenizer())
+
+
+def _jsonl(text: str) -> None:
+    _data(text)
+
+
+def _chat(*conversations: list[tuple[str, str]], tokenizer: Any = None, **fields: Any) -> None:
+    """``data=chat`` over ``conversations`` (each ``[(role, content), ...]``) with the chat tokenizer."""
+    lines = [json.dumps({"messages": [{"role": r, "content": c} for r, c in conv]}) for conv in conversations]
+    _data("\n".join(lines) + "\n", tokenizer or _chat_tokenizer(), **{"source": "chat", **fields})
+
+
+def _files(*names: str, first: bool = False, **fields: Any) -> None:
+    """``check_paths`` on a directory holding ``names`` (one-row text files), or on its ``first`` file."""
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            (Path(tmp) / name).write_text('{"text": "abc"}\n')
+        path = str(Path(tmp) / names[0]) if first else tmp
+        check_paths(to_finetune_config({"data": {"source": "text", "path": path, **fields}}))
+
+
+def _used_run_dir() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "metrics.jsonl").write_text("{}\n")
+        check_run_dir(to_finetune_config({"trainer": {"resume": "never"}}), Path(tmp))
+
+
+QA = [("user", "what is 2+2?"), ("assistant", "4")]
+# A template that marks the last turn: earlier renderings are not prefixes of later ones.
+NOT_INCREMENTAL = (
+    "{% for m in messages %}{% if loop.last %}LAST{% endif %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+)
 
 
 def _small_vocabulary_model() -> None:
@@ -295,7 +339,7 @@ POSITIVE_FIELDS = (
     "dist.pg_timeout_s",
     "dist.shutdown_timeout_s",
 )
-NON_NEGATIVE_FIELDS = ("optim.warmup_steps", "optim.grad_clip", "trainer.ckpt_every")
+NON_NEGATIVE_FIELDS = ("optim.warmup_steps", "optim.grad_clip", "trainer.ckpt_every", "trainer.val_every")
 
 
 def _run_dir_not_shared() -> None:
@@ -328,6 +372,15 @@ RECIPE: dict[str, Callable[[], Any]] = {
     "config-min-lr-ratio": _values("optim.min_lr_ratio=2"),
     "config-resume": _values("trainer.resume=sometimes"),
     "config-on-nonfinite": _values("trainer.on_nonfinite=ignore"),
+    "config-plus-unknown-key": lambda: to_finetune_config(_compose("+trainer.max_step=5")),
+    "config-data-loss-on": _values("data=chat", "data.loss_on=prompt"),
+    "config-data-loss-on-text": _values("data=jsonl", "data.loss_on=answer"),
+    "config-long-conversations": _values("data=chat", "data.long_conversations=wrap"),
+    "config-validation-fraction": _values("data.validation=1.5"),
+    "config-validation-synthetic-path": _values("data.validation=/data/val.jsonl"),
+    "config-val-every-without-validation": _values("trainer.val_every=10"),
+    "config-keep-best-without-validation": _values("trainer.keep_best=true"),
+    "config-export-dtype": _values("trainer.export_dtype=int8"),
     **{f"config-positive-{f.replace('.', '-').replace('_', '-')}": _values(f"{f}=0") for f in POSITIVE_FIELDS},
     **{f"config-non-negative-{f.replace('.', '-').replace('_', '-')}": _values(f"{f}=-1") for f in NON_NEGATIVE_FIELDS},
     "path-jsonl-required": lambda: check_paths(_config("data=jsonl")),
@@ -338,6 +391,30 @@ RECIPE: dict[str, Callable[[], Any]] = {
     "data-jsonl-no-text": lambda: _jsonl('{"body": "a"}\n'),
     "data-jsonl-empty": lambda: _jsonl("\n\n"),
     "data-all-empty": lambda: pack_documents([[], []], 8, "first_fit_decreasing", 0, 0),
+    "path-data-mixed-formats": lambda: _files("a.jsonl", "b.parquet"),
+    "path-data-split-missing": lambda: _files("train.jsonl", "test.jsonl", split="validation"),
+    "path-data-split-of-a-file": lambda: _files("train.jsonl", first=True, split="train"),
+    "path-validation-missing": lambda: _files("train.jsonl", validation="/nonexistent/v.jsonl"),
+    "run-dir-resume-never": _used_run_dir,
+    "kernel-explicit-unavailable": lambda: check_attn_backend(
+        _config("+cp=blockdiag", "cp.attn_backend=te"), torch.device("cpu")
+    ),
+    "data-chat-role": lambda: _chat([("user", "hi"), ("robot", "beep")]),
+    "data-chat-no-template": lambda: _chat(QA, tokenizer=_chat_tokenizer(template=None)),
+    "data-chat-no-assistant": lambda: _chat([("user", "hi")]),
+    "data-chat-not-incremental": lambda: _chat(QA, tokenizer=_chat_tokenizer(template=NOT_INCREMENTAL)),
+    "data-chat-too-long": lambda: _chat([("user", "x" * 80), ("assistant", "y")], long_conversations="error"),
+    "data-chat-all-too-long": lambda: _chat([("user", "x" * 80), ("assistant", "y")]),
+    "data-mixed-file": lambda: _data(
+        '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n{"text": "c"}\n',
+        _chat_tokenizer(),
+        source="chat",
+    ),
+    "data-instruction-empty-completion": lambda: _data(
+        '{"prompt": "2+2=", "completion": "4"}\n{"prompt": "3+3=", "completion": " "}\n', source="instruction"
+    ),
+    "data-no-eos": lambda: _chat(QA, tokenizer=_chat_tokenizer(eos=False)),
+    "data-validation-holds-all": lambda: _data('{"text": "abc"}\n', validation="0.9"),
     "launch-cp-world": lambda: resolve_topology(world=3, rank=0, local_rank=0, cp_size=2, dp_size=None),
     "launch-dp-size": lambda: resolve_topology(world=2, rank=0, local_rank=0, cp_size=2, dp_size=2),
     "launch-run-dir-not-shared": _run_dir_not_shared,

@@ -1,4 +1,13 @@
-"""Export the trained weights as a HF ``save_pretrained`` directory (safetensors) on rank 0."""
+"""Export the trained weights as a HF ``save_pretrained`` directory (safetensors) on rank 0.
+
+The export is what ``AutoModelForCausalLM.from_pretrained(dir)`` + ``generate`` need,
+without this package: the model's own config (its attention settings, e.g.
+``sliding_window`` and ``layer_types``, as the model was built), stock ``sdpa``
+attention, ``use_cache: true`` (training turns the KV cache off; generation wants
+it), the model's dtype (a bf16 checkpoint is exported as bf16 unless
+``trainer.export_dtype`` says otherwise), EOS/padding ids that match the
+tokenizer, and the tokenizer itself when it is a HF one.
+"""
 
 from __future__ import annotations
 
@@ -6,20 +15,65 @@ from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig
+
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def export_hf(model: torch.nn.Module, config: PretrainedConfig, out_dir: Path, rank: int) -> Path | None:
-    """Collective: gather full weights to rank 0's CPU; rank 0 writes ``out_dir`` and returns it.
+def export_dtype(setting: str, source: torch.dtype | None) -> torch.dtype:
+    """``trainer.export_dtype``: ``auto`` keeps the model's source dtype (float32 when built from config)."""
+    if setting == "auto":
+        return source or torch.float32
+    return EXPORT_DTYPES[setting]
 
-    The export is a fresh model of ``config`` with stock ``sdpa`` attention, so it
-    loads anywhere without this package.
+
+def _eos_ids(configured: int | list[int] | None, eos_id: int | None) -> int | list[int] | None:
+    """The model's EOS id(s) plus the tokenizer's, so generation stops where training taught it to."""
+    ids = [] if configured is None else [configured] if isinstance(configured, int) else list(configured)
+    if eos_id is not None and eos_id not in ids:
+        ids.append(eos_id)
+    return None if not ids else ids[0] if len(ids) == 1 else ids
+
+
+def export_config(
+    config: PretrainedConfig, dtype: torch.dtype, eos_id: int | None, pad_id: int, built: bool
+) -> PretrainedConfig:
+    """A copy of the trained model's config for inference (module docstring).
+
+    Args:
+        config: The trained model's config.
+        dtype: The export dtype.
+        eos_id: The tokenizer's EOS id.
+        pad_id: The tokenizer's padding id.
+        built: The model was built from config (its default special-token ids mean nothing: the tokenizer's rule).
+    """
+    out = config.__class__.from_dict(config.to_dict())
+    out.use_cache = True
+    out.dtype = dtype
+    if built:
+        out.bos_token_id = None
+        out.eos_token_id = eos_id
+    else:
+        out.eos_token_id = _eos_ids(out.eos_token_id, eos_id)
+    if out.pad_token_id is None:
+        out.pad_token_id = pad_id
+    return out
+
+
+def export_hf(
+    model: torch.nn.Module, config: PretrainedConfig, out_dir: Path, rank: int, dtype: torch.dtype = torch.float32
+) -> Path | None:
+    """Collective: gather full weights to rank 0's CPU; rank 0 writes ``out_dir`` (``dtype``) and returns it.
+
+    Args:
+        config: The export config (:func:`export_config`).
     """
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank != 0:
         return None
-    export_config = config.__class__.from_dict(config.to_dict())
-    export = AutoModelForCausalLM.from_config(export_config, attn_implementation="sdpa", dtype=torch.float32)
+    export = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
     export.load_state_dict(full)
+    export.generation_config = GenerationConfig.from_model_config(config)
+    export.generation_config.use_cache = True
     export.save_pretrained(out_dir)
     return out_dir

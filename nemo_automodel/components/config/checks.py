@@ -1,10 +1,13 @@
-"""Checks that need the file system; run before any process group exists, so a bad path never hangs a peer."""
+"""Checks that need the file system or the device; run before training, so a bad input never hangs a peer."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from nemo_automodel.components.config.schema import FinetuneConfig
+from nemo_automodel.components.datasets.sources import resolve_files
 
 
 def check_paths(cfg: FinetuneConfig) -> None:
@@ -12,13 +15,15 @@ def check_paths(cfg: FinetuneConfig) -> None:
 
     The hub is never contacted: model and tokenizer paths must be local directories.
     """
-    if cfg.data.source == "jsonl":
+    if cfg.data.source != "synthetic":
         if cfg.data.path is None:
-            raise ValueError("data.path is required with data=jsonl: pass data.path=/path/to/file.jsonl")
-        if not Path(cfg.data.path).is_file():
             raise ValueError(
-                f"data.path={cfg.data.path}: no such file (expected JSONL with one {{'text': ...}} a line)"
+                f"data.path is required with data={cfg.data.source}: pass data.path=/path/to/train.jsonl "
+                "(a json/jsonl/parquet/arrow file, a directory of them or a glob)"
             )
+        resolve_files(cfg.data.path, cfg.data.split)
+        if cfg.data.validation is not None and cfg.data.validation_fraction is None:
+            resolve_files(cfg.data.validation, None, "data.validation")
     for field, path in (
         ("model.pretrained_path", cfg.model.pretrained_path),
         ("tokenizer.name_or_path", cfg.tokenizer.name_or_path),
@@ -28,3 +33,39 @@ def check_paths(cfg: FinetuneConfig) -> None:
                 f"{field}={path}: no such directory; pass a local HF directory (save_pretrained output) - "
                 "models are never downloaded"
             )
+
+
+def used_run_dir(run_dir: Path) -> bool:
+    """Whether an earlier run trained in ``run_dir`` (it has metrics or checkpoints)."""
+    checkpoints = run_dir / "checkpoints"
+    return (run_dir / "metrics.jsonl").exists() or (checkpoints.is_dir() and any(checkpoints.iterdir()))
+
+
+def check_run_dir(cfg: FinetuneConfig, run_dir: Path) -> None:
+    """``trainer.resume=never`` refuses a run dir an earlier run used, instead of mixing or overwriting its outputs."""
+    if cfg.trainer.resume == "never" and used_run_dir(run_dir):
+        raise ValueError(
+            f"trainer.resume=never but the run dir {run_dir} holds an earlier run (metrics.jsonl / checkpoints/); "
+            "pass a new hydra.run.dir, or trainer.resume=auto to continue that run"
+        )
+
+
+def check_attn_backend(cfg: FinetuneConfig, device: torch.device) -> None:
+    """An explicit ``cp.attn_backend`` must run on ``device`` in the training dtype; only ``auto`` picks one.
+
+    Raises:
+        ValueError: naming the kernel, why it cannot run, and the fix.
+    """
+    from nemo_automodel.components.distributed.blockdiag_cp.kernels import kernel_unavailable_reason
+    from nemo_automodel.components.training.step import bf16_autocast
+
+    backend = cfg.cp.attn_backend
+    if backend == "auto":
+        return
+    dtype = torch.bfloat16 if bf16_autocast(cfg.trainer.bf16, device) else torch.float32
+    reason = kernel_unavailable_reason(backend, dtype, device)
+    if reason is not None:
+        raise ValueError(
+            f"cp.attn_backend={backend} cannot run here ({reason}); use cp.attn_backend=auto to pick the fastest "
+            "kernel that runs, or name one that does (sdpa_varlen runs everywhere)"
+        )

@@ -9,7 +9,8 @@ when :func:`to_finetune_config` turns the composed ``DictConfig`` into dataclass
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import difflib
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -28,8 +29,17 @@ from nemo_automodel.components.distributed.blockdiag_cp.state import (
 #   is routed through CP while a step runs;
 # - ``eager``: the model's own matmul attention, which never reaches CP (cp=1 only).
 ATTENTION_ROUTES = ("hf_interface", "patch_sdpa", "eager")
-DATA_SOURCES = ("synthetic", "jsonl")
+DATA_SOURCES = ("synthetic", "text", "chat", "instruction")
+# Older spellings of a data source, stored canonical.
+DATA_SOURCE_ALIASES = {"jsonl": "text"}
 LONG_DOCUMENT_MODES = ("split", "truncate")
+# A chat / instruction row longer than data.seq_len: keep its leading turns up to the last whole assistant
+# turn that fits (else drop it), drop it, or stop with an error naming it.
+LONG_CONVERSATION_MODES = ("leading_turns", "drop", "error")
+# Which tokens carry loss: answers only (assistant turns, completions), all, or auto (answers for chat and
+# instruction data, all tokens for text).
+LOSS_ON = ("auto", "answer", "all")
+EXPORT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 RESUME_MODES = ("auto", "never")
 # What a step with NaN/Inf in attention inputs, loss or gradient norm does (every rank agrees).
 NONFINITE_POLICIES = ("stop", "skip")
@@ -94,9 +104,22 @@ class DataConfig:
     """Documents, their packing into rows of ``seq_len`` tokens, and the synthetic corpus' shape.
 
     Attributes:
-        source: ``synthetic`` (built in, seeded) or ``jsonl`` (``{"text": ...}`` per line at ``path``).
-        path: The JSONL file for ``source=jsonl``.
-        text_field: The JSON key holding each document's text.
+        source: ``synthetic`` (built in, seeded), ``text`` (alias ``jsonl``: ``{text_field: ...}`` rows),
+            ``chat`` (``{messages_field: [{"role", "content"}, ...]}`` rendered with the tokenizer's chat
+            template) or ``instruction`` (``{prompt_field, completion_field}``); see ``datasets/formats.py``.
+        path: The data: a json/jsonl/parquet/arrow file, a directory of them or a glob pattern.
+        split: For a directory: the split whose files to read (``train``, ``validation``, ``test`` by file
+            name); ``None``: the ``train`` files, or all files when none is named after a split.
+        validation: Held-out data: a path in the training data's format, or a fraction in (0, 1) of the
+            training documents held out (seeded); ``None``: no validation.
+        text_field / messages_field / prompt_field / completion_field: Field names of the formats.
+        loss_on: ``answer`` (assistant turns / completions only), ``all`` tokens, or ``auto`` (answer for
+            chat and instruction data, all for text).
+        add_eos: End every document with the tokenizer's EOS (never twice).
+        long_conversations: A chat/instruction row longer than ``seq_len``: ``leading_turns`` keeps the
+            turns up to the last whole assistant turn that fits (none fits: dropped), ``drop``, or ``error``.
+        cache_dir: Where tokenized, packed data is cached (``None``: ``~/.cache/nemo_automodel/data``);
+            must be visible to every rank (rank 0 builds, the others read).
         seq_len: Tokens per packed row (padded to a multiple of ``2 * cp.size`` for CP).
         packing_algorithm: ``first_fit_decreasing`` or ``first_fit_shuffle`` (NeMo's packers).
         long_documents: ``split`` a document longer than ``seq_len`` into ``seq_len`` chunks
@@ -108,7 +131,16 @@ class DataConfig:
 
     source: str = "synthetic"
     path: str | None = None
+    split: str | None = None
+    validation: str | None = None
     text_field: str = "text"
+    messages_field: str = "messages"
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    loss_on: str = "auto"
+    add_eos: bool = True
+    long_conversations: str = "leading_turns"
+    cache_dir: str | None = None
     seq_len: int = 512
     packing_algorithm: str = "first_fit_shuffle"
     long_documents: str = "split"
@@ -120,9 +152,22 @@ class DataConfig:
     def __post_init__(self) -> None:
         from nemo_automodel.components.datasets.packing import PACKING_ALGORITHMS
 
+        self.source = DATA_SOURCE_ALIASES.get(self.source, self.source)
         _require_choice("data.source", self.source, DATA_SOURCES)
         _require_choice("data.packing_algorithm", self.packing_algorithm, PACKING_ALGORITHMS)
         _require_choice("data.long_documents", self.long_documents, LONG_DOCUMENT_MODES)
+        _require_choice("data.long_conversations", self.long_conversations, LONG_CONVERSATION_MODES)
+        _require_choice("data.loss_on", self.loss_on, LOSS_ON)
+        if self.loss_on == "answer" and self.source not in ("chat", "instruction"):
+            raise ValueError(
+                f"data.loss_on=answer needs data=chat or data=instruction (data.source={self.source} has no answers)"
+            )
+        fraction = self.validation_fraction
+        if fraction is not None and not 0.0 < fraction < 1.0:
+            raise ValueError(
+                f"data.validation={self.validation} must be a fraction in (0, 1) of the training documents "
+                "(e.g. data.validation=0.05) or a path"
+            )
         if self.seq_len < 2:
             raise ValueError(f"data.seq_len={self.seq_len} cannot hold a single (input, label) pair; use >= 2")
         _require_positive("data.num_documents", self.num_documents)
@@ -130,6 +175,14 @@ class DataConfig:
             raise ValueError(
                 f"data.min_doc_len={self.min_doc_len} / data.max_doc_len={self.max_doc_len}: need 1 <= min <= max"
             )
+
+    @property
+    def validation_fraction(self) -> float | None:
+        """``data.validation`` as a held-out fraction (``None``: unset or a path)."""
+        try:
+            return None if self.validation is None else float(self.validation)
+        except ValueError:
+            return None
 
 
 @dataclass
@@ -180,6 +233,10 @@ class TrainerConfig:
         on_nonfinite: A step with NaN/Inf in CP attention inputs, the loss or the gradient norm on any
             rank: ``stop`` raises on every rank naming the step, the ranks and what was non-finite;
             ``skip`` logs the same, zeroes the gradients and skips the optimizer step (the LR schedule advances).
+        val_every: Validation period in steps (``0``: only after the last step); needs ``data.validation``.
+        keep_best: Keep the checkpoint with the lowest validation loss in ``best/`` (needs ``data.validation``).
+        export_dtype: dtype of the HF export: ``auto`` (the pretrained model's own dtype; float32 for a
+            model built from config), ``float32``, ``bfloat16`` or ``float16``.
     """
 
     max_steps: int = 200
@@ -193,6 +250,9 @@ class TrainerConfig:
     resume: str = "auto"
     export_hf: bool = True
     on_nonfinite: str = "stop"
+    val_every: int = 0
+    keep_best: bool = False
+    export_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _require_positive("trainer.max_steps", self.max_steps)
@@ -202,6 +262,8 @@ class TrainerConfig:
         _require_positive("trainer.keep_checkpoints", self.keep_checkpoints)
         _require_choice("trainer.resume", self.resume, RESUME_MODES)
         _require_choice("trainer.on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
+        _require_positive("trainer.val_every", self.val_every, allow_zero=True)
+        _require_choice("trainer.export_dtype", self.export_dtype, EXPORT_DTYPES)
 
 
 @dataclass
@@ -284,6 +346,17 @@ class FinetuneConfig:
                 f"model.attention=eager never reaches SDPA, so cp.size={self.cp.size} would silently attend "
                 "only to local tokens; use model.attention=hf_interface (or patch_sdpa), or drop +cp"
             )
+        if self.data.validation is None and (self.trainer.val_every or self.trainer.keep_best):
+            name = "trainer.val_every" if self.trainer.val_every else "trainer.keep_best"
+            raise ValueError(
+                f"{name} needs validation data: set data.validation=<path> or a held-out fraction like 0.05"
+            )
+        if (
+            self.data.source == "synthetic"
+            and self.data.validation is not None
+            and self.data.validation_fraction is None
+        ):
+            raise ValueError("data.validation with data=synthetic must be a fraction (e.g. 0.05), not a path")
         if self.data.seq_len < 2 * self.cp.size:
             raise ValueError(
                 f"data.seq_len={self.data.seq_len} is smaller than 2 * cp.size = {2 * self.cp.size}: every CP rank "
@@ -305,7 +378,36 @@ def to_finetune_config(cfg: DictConfig | dict[str, Any]) -> FinetuneConfig:
         ValueError: naming the bad field and the fix (unknown keys, bad choices, bad ranges).
     """
     merged = OmegaConf.merge(OmegaConf.structured(FinetuneConfig), cfg)
+    # A key added with Hydra's `+` (e.g. `+trainer.max_step=5`, Hydra's own hint for a typo) passes
+    # composition and the merge above, since the section it lands in is typed; refuse it like a typo.
+    _reject_unknown_keys(OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else cfg)
     return OmegaConf.to_object(merged)
+
+
+def _reject_unknown_keys(values: Any, schema: type = FinetuneConfig, prefix: str = "") -> None:
+    """Raise a ``ValueError`` naming the first key of ``values`` that ``schema`` (a dataclass) lacks."""
+    if not isinstance(values, dict):
+        return
+    known = sorted(f.name for f in fields(schema))
+    for key, value in values.items():
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+            where = f"of {prefix.rstrip('.')}" if prefix else "at the top level"
+            raise ValueError(f"{prefix}{key}: unknown key{hint}; valid keys {where}: {', '.join(known)}")
+        if not prefix and is_dataclass(_SECTIONS.get(key)):
+            _reject_unknown_keys(value, _SECTIONS[key], f"{key}.")
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "tokenizer": TokenizerConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "trainer": TrainerConfig,
+    "cp": CPConfig,
+    "dist": DistConfig,
+}
 
 
 def to_plain_dict(cfg: FinetuneConfig) -> dict[str, Any]:

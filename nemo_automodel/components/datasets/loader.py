@@ -1,23 +1,195 @@
-"""The packed dataset for a config, and which row each dp rank trains on at each micro-step."""
+"""The packed training (and validation) data for a config, and which row each dp rank trains on.
+
+:func:`prepare_data` reads, converts, tokenizes and packs (one process, no cache);
+the planner calls it too, so its rows are the recipe's rows. :func:`load_data` is
+what the recipe's ranks call: file data is tokenized once into an on-disk cache
+(:mod:`nemo_automodel.components.datasets.cache`) by rank 0 while the other ranks
+wait, and every rank reads it.
+"""
 
 from __future__ import annotations
 
+import logging
+import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from nemo_automodel.components.config.schema import DataConfig
-from nemo_automodel.components.datasets.jsonl import jsonl_documents
+from nemo_automodel.components.datasets.formats import (
+    Document,
+    FormatStats,
+    check_record,
+    fit_conversation,
+    record_to_document,
+    with_eos,
+)
 from nemo_automodel.components.datasets.packing import PackedRows, pack_documents
+from nemo_automodel.components.datasets.sources import read_records, resolve_files
 from nemo_automodel.components.datasets.synthetic import synthetic_documents
-from nemo_automodel.components.datasets.tokenizer import ByteTokenizer, HFTokenizer
+
+logger = logging.getLogger("nemo_automodel.finetune")
 
 
-def build_packed_dataset(cfg: DataConfig, tokenizer: ByteTokenizer | HFTokenizer) -> PackedRows:
-    """Read (or generate), tokenize and pack the documents; identical on every rank."""
-    texts = synthetic_documents(cfg) if cfg.source == "synthetic" else jsonl_documents(cfg.path, cfg.text_field)
-    tokens = [tokenizer.encode(t) for t in texts]
-    return pack_documents(tokens, cfg.seq_len, cfg.packing_algorithm, tokenizer.pad_id, cfg.seed, cfg.long_documents)
+@dataclass(frozen=True)
+class PackedData:
+    """Packed training rows, optional packed validation rows, and what conversion did (for the log)."""
+
+    train: PackedRows
+    validation: PackedRows | None
+    summary: str
+
+
+def eos_for(cfg: DataConfig, tokenizer: Any) -> int | None:
+    """The EOS id appended to documents (``None`` with ``data.add_eos=false``)."""
+    if not cfg.add_eos:
+        return None
+    if tokenizer.eos_id is None:
+        raise ValueError(
+            f"data.add_eos=true but the tokenizer {tokenizer.name} has no EOS token; use a tokenizer with an "
+            "eos_token, or set data.add_eos=false (the model will then not learn where documents end)"
+        )
+    return tokenizer.eos_id
+
+
+def to_documents(
+    cfg: DataConfig, records: Iterable[tuple[str, dict[str, Any]]], tokenizer: Any
+) -> tuple[list[Document], FormatStats]:
+    """Checked records as documents with EOS; chat/instruction rows fitted to ``seq_len`` per the policy.
+
+    Raises:
+        ValueError: naming the row, for a record the format or the length policy rejects.
+    """
+    eos = eos_for(cfg, tokenizer)
+    if cfg.source == "chat" and not tokenizer.chat_template:
+        tokenizer.render_chat([], add_generation_prompt=False)  # raises the no-template error, before any row
+    docs: list[Document] = []
+    stats = FormatStats()
+    for where, record in records:
+        stats.records += 1
+        try:
+            doc = record_to_document(cfg, record, tokenizer)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+        if not doc.ids:
+            stats.empty += 1
+            continue
+        if cfg.source in ("synthetic", "text"):  # long text is split or truncated when packed
+            docs.append(with_eos(doc, eos))
+            continue
+        full = len(with_eos(doc, eos).ids)
+        if full <= cfg.seq_len:
+            docs.append(with_eos(doc, eos))
+            continue
+        if cfg.long_conversations == "error":
+            raise ValueError(
+                f"{where}: {full} tokens, longer than data.seq_len={cfg.seq_len}; raise data.seq_len, or set "
+                "data.long_conversations=leading_turns (keep the turns that fit) or drop"
+            )
+        fitted = fit_conversation(doc, cfg.seq_len, eos) if cfg.long_conversations == "leading_turns" else None
+        if fitted is None:
+            stats.dropped += 1
+            stats.dropped_rows.append(where)
+        else:
+            stats.cut += 1
+            docs.append(fitted)
+    return docs, stats
+
+
+def _records(cfg: DataConfig, path: str, split: str | None, field: str, scratch: Path):
+    if cfg.source == "synthetic":
+        return (("synthetic", {cfg.text_field: t}) for t in synthetic_documents(cfg))
+    files = resolve_files(path, split, field)
+    return read_records(files, scratch, lambda record: check_record(cfg, record), field)
+
+
+def _hold_out(docs: list[Document], fraction: float, seed: int) -> tuple[list[Document], list[Document]]:
+    """``(train, validation)``: a seeded ``fraction`` of the documents held out (at least one each)."""
+    count = max(1, round(fraction * len(docs)))
+    if count >= len(docs):
+        raise ValueError(
+            f"data.validation={fraction} holds out {count} of {len(docs)} documents, leaving none to train on; "
+            "lower the fraction or pass a validation file"
+        )
+    held = set(torch.randperm(len(docs), generator=torch.Generator().manual_seed(seed))[:count].tolist())
+    return [d for i, d in enumerate(docs) if i not in held], [d for i, d in enumerate(docs) if i in held]
+
+
+def _pack(cfg: DataConfig, docs: list[Document], stats: FormatStats, tokenizer: Any, what: str) -> PackedRows:
+    if not docs:
+        raise ValueError(
+            f"{what}: no documents left ({stats.summary(cfg.seq_len)}); raise data.seq_len or check the data"
+        )
+    rows = pack_documents(docs, cfg.seq_len, cfg.packing_algorithm, tokenizer.pad_id, cfg.seed, cfg.long_documents)
+    if not bool((rows.labels != -100).any()):
+        raise ValueError(f"{what}: no token carries loss; check data.loss_on and the data")
+    return rows
+
+
+def prepare_data(cfg: DataConfig, tokenizer: Any, scratch: Path | None = None) -> PackedData:
+    """Read (or generate), convert, tokenize and pack the training and validation data (no cache).
+
+    Args:
+        cfg: The data section.
+        tokenizer: A :class:`~nemo_automodel.components.datasets.tokenizer.TextTokenizer`.
+        scratch: Scratch space for ``datasets``' Arrow copies (``None``: a temporary directory).
+
+    Raises:
+        ValueError: naming the field, file and row of bad data.
+    """
+    with tempfile.TemporaryDirectory(dir=scratch) as tmp:
+        records = list(_records(cfg, cfg.path or "", cfg.split, "data.path", Path(tmp)))
+        if not records:
+            raise ValueError(f"data.path={cfg.path}: no documents found (expected one JSON object per line / row)")
+        docs, stats = to_documents(cfg, records, tokenizer)
+        held: list[Document] | None = None
+        held_stats = stats
+        fraction = cfg.validation_fraction
+        if fraction is not None:
+            docs, held = _hold_out(docs, fraction, cfg.seed)
+        elif cfg.validation is not None:
+            val_records = _records(cfg, cfg.validation, None, "data.validation", Path(tmp))
+            held, held_stats = to_documents(cfg, val_records, tokenizer)
+    train = _pack(cfg, docs, stats, tokenizer, "data")
+    validation = None if held is None else _pack(cfg, held, held_stats, tokenizer, "data.validation")
+    summary = f"{stats.summary(cfg.seq_len)}; {len(docs)} training documents"
+    if held is not None:
+        summary += f", {len(held)} validation documents"
+        if held_stats is not stats:
+            summary += f" (validation file: {held_stats.summary(cfg.seq_len)})"
+    return PackedData(train, validation, summary)
+
+
+def load_data(cfg: DataConfig, tokenizer: Any, is_main: bool, store: Any) -> PackedData:
+    """The packed data on every rank: file data through the on-disk cache (rank 0 builds it), synthetic in memory.
+
+    Args:
+        cfg: The data section.
+        tokenizer: The run's tokenizer (part of the cache key).
+        is_main: Global rank 0 (builds the cache when it is missing).
+        store: The job's c10d store (rank 0 posts the outcome there; the others wait for it).
+    """
+    if cfg.source == "synthetic":
+        return prepare_data(cfg, tokenizer)
+    from nemo_automodel.components.datasets.cache import DataCache
+
+    return DataCache.for_config(cfg, tokenizer).load(
+        lambda scratch: prepare_data(cfg, tokenizer, scratch), is_main, store
+    )
+
+
+def rows_for_rank(rows: PackedRows, dp: int, dp_rank: int) -> list[dict[str, torch.Tensor]]:
+    """Validation rows ``dp_rank, dp_rank + dp, ...``, topped up to ``ceil(N / dp)`` with a label-free row.
+
+    Every dp rank must run the same number of forwards (FSDP gathers parameters in each);
+    the top-up row is row 0 with every label ``-100``, so it adds nothing to the loss.
+    """
+    mine = [rows.row(i) for i in range(dp_rank, len(rows), dp)]
+    filler = {**rows.row(0), "labels": torch.full_like(rows.labels[:1], -100)}
+    return mine + [filler] * (-(-len(rows) // dp) - len(mine))
 
 
 @dataclass(frozen=True)

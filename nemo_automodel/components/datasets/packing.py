@@ -3,9 +3,11 @@
 Every row carries what block-diagonal CP needs, all ``[N, S]``:
 
 - ``input_ids``: the documents back to back, then ``pad_id``;
-- ``labels``: the next token *of the same document*; a document's last token and
-  the padding tail get ``-100`` (labels never cross a document boundary, and are
-  shifted here, before CP shards them);
+- ``labels``: the next token *of the same document* when that token is a loss target
+  (:class:`~nemo_automodel.components.datasets.formats.Document`; every token of plain
+  text, only answers with answer-only loss); a document's last token, non-target
+  successors and the padding tail get ``-100`` (labels never cross a document boundary,
+  and are shifted here, before CP shards them and the balanced layout permutes them);
 - ``position_ids``: restart at 0 for every document (RoPE sees each one alone);
 - ``_packed_seq_ids``: 1-based document index within the row, 0 for padding.
 """
@@ -13,13 +15,15 @@ Every row carries what block-diagonal CP needs, all ``[N, S]``:
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
 
 import numpy as np
 import torch
+
+from nemo_automodel.components.datasets.formats import Document
 
 PACKING_ALGORITHMS = ("first_fit_decreasing", "first_fit_shuffle")
 IGNORE_INDEX = -100
@@ -47,15 +51,19 @@ class PackedRows:
         }
 
 
-def fit_to_row(documents: list[list[int]], seq_len: int, long_documents: str) -> list[list[int]]:
+def _chunk(doc: Document, start: int, end: int) -> Document:
+    return Document(doc.ids[start:end], None if doc.targets is None else doc.targets[start:end])
+
+
+def fit_to_row(documents: Sequence[Document], seq_len: int, long_documents: str) -> list[Document]:
     """Drop empty documents; ``split`` longer ones into ``seq_len`` chunks (each its own document) or ``truncate``."""
-    fitted: list[list[int]] = []
+    fitted: list[Document] = []
     for doc in documents:
         if long_documents == "truncate":
-            chunks = [doc[:seq_len]]
+            chunks = [_chunk(doc, 0, seq_len)]
         else:
-            chunks = [doc[i : i + seq_len] for i in range(0, len(doc), seq_len)]
-        fitted.extend(c for c in chunks if c)
+            chunks = [_chunk(doc, i, i + seq_len) for i in range(0, len(doc.ids), seq_len)]
+        fitted.extend(c for c in chunks if c.ids)
     return fitted
 
 
@@ -100,17 +108,24 @@ def assign_to_rows(lengths: list[int], seq_len: int, algorithm: str, seed: int) 
 
 
 def pack_documents(
-    documents: list[list[int]], seq_len: int, algorithm: str, pad_id: int, seed: int, long_documents: str = "split"
+    documents: Sequence[Document | list[int]],
+    seq_len: int,
+    algorithm: str,
+    pad_id: int,
+    seed: int,
+    long_documents: str = "split",
 ) -> PackedRows:
-    """Pack token lists into ``[N, seq_len]`` rows (see the module docstring for the fields).
+    """Pack documents (or plain token lists: every token a target) into ``[N, seq_len]`` rows.
+
+    See the module docstring for the fields.
 
     Raises:
         ValueError: when no document has a token.
     """
-    docs = fit_to_row(documents, seq_len, long_documents)
+    docs = fit_to_row([d if isinstance(d, Document) else Document(list(d)) for d in documents], seq_len, long_documents)
     if not docs:
         raise ValueError("data: every document is empty after tokenization; nothing to train on")
-    rows = assign_to_rows([len(d) for d in docs], seq_len, algorithm, seed)
+    rows = assign_to_rows([len(d.ids) for d in docs], seq_len, algorithm, seed)
     shape = (len(rows), seq_len)
     input_ids = torch.full(shape, pad_id, dtype=torch.long)
     labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
@@ -119,10 +134,14 @@ def pack_documents(
     for r, members in enumerate(rows):
         start = 0
         for doc_number, index in enumerate(members, start=1):
-            tokens = torch.tensor(docs[index], dtype=torch.long)
+            tokens = torch.tensor(docs[index].ids, dtype=torch.long)
             end = start + len(tokens)
             input_ids[r, start:end] = tokens
-            labels[r, start : end - 1] = tokens[1:]  # the last token's successor is another document
+            successors = tokens[1:]  # the last token's successor is another document
+            if docs[index].targets is not None:
+                keep = torch.tensor(docs[index].targets[1:], dtype=torch.bool)
+                successors = torch.where(keep, successors, torch.full_like(successors, IGNORE_INDEX))
+            labels[r, start : end - 1] = successors
             position_ids[r, start:end] = torch.arange(len(tokens))
             seq_ids[r, start:end] = doc_number
             start = end

@@ -1,66 +1,156 @@
-"""Tokenizers: a built-in byte-level one, or a HF tokenizer loaded from a local directory."""
+"""Tokenizers: a built-in byte-level one, or a HF tokenizer loaded from a local directory.
+
+With ``tokenizer.name_or_path`` unset, a ``model.pretrained_path`` that holds a
+tokenizer supplies it (the model's own vocabulary); otherwise the byte-level
+tokenizer is used, with a warning when a pretrained model is trained on it.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from nemo_automodel.components.config.schema import TokenizerConfig
+
+logger = logging.getLogger("nemo_automodel.finetune")
+
+# Files any of which marks a directory as holding a HF tokenizer (save_pretrained output).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 class TextTokenizer(Protocol):
     """What the recipe needs from a tokenizer."""
 
+    name: str
     vocab_size: int
     pad_id: int
+    eos_id: int | None
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (no special tokens: documents are delimited by packing, not by EOS)."""
+        """Token ids of ``text`` without special tokens added (special-token *text* is still recognised)."""
+        ...
+
+    def fingerprint(self) -> str:
+        """A digest of everything that decides token ids (for the tokenized-data cache key)."""
         ...
 
 
 @dataclass(frozen=True)
 class ByteTokenizer:
-    """UTF-8 bytes as token ids: vocabulary 256, no special tokens.
+    """UTF-8 bytes as token ids: vocabulary 256, no chat template.
 
-    Padding uses id 0 (NUL); padded positions never carry a label, so the id
-    only has to be a valid embedding row.
+    Byte 0 (NUL) is both the padding id and the end-of-document (EOS) id: padded
+    positions never carry a label, and NUL does not occur in ordinary text.
     """
 
+    name: str = "bytes"
     vocab_size: int = 256
     pad_id: int = 0
+    eos_id: int | None = 0
+    chat_template: str | None = None
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def fingerprint(self) -> str:
+        return "bytes-v1"
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        raise ValueError(_no_template(self.name))
 
 
 @dataclass(frozen=True)
 class HFTokenizer:
     """A ``transformers`` tokenizer from a local directory (never the hub)."""
 
-    path: str
+    name: str
     vocab_size: int
     pad_id: int
-    _tokenizer: object
+    eos_id: int | None
+    _tokenizer: Any
 
     @classmethod
     def load(cls, path: str) -> HFTokenizer:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        return cls(path, len(tok), 0 if pad is None else int(pad), tok)
+        eos = tok.eos_token_id
+        pad = tok.pad_token_id if tok.pad_token_id is not None else eos
+        return cls(path, len(tok), 0 if pad is None else int(pad), None if eos is None else int(eos), tok)
+
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self._tokenizer, "chat_template", None)
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False)
 
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        """``messages`` rendered by the tokenizer's chat template, as text."""
+        if not self.chat_template:
+            raise ValueError(_no_template(self.name))
+        return self._tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def fingerprint(self) -> str:
+        tok = self._tokenizer
+        backend = getattr(tok, "backend_tokenizer", None)
+        parts = {
+            "class": type(tok).__name__,
+            "vocab": backend.to_str() if backend is not None else sorted(tok.get_vocab().items()),
+            "special": tok.special_tokens_map,
+            "template": self.chat_template,
+        }
+        return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
     def save_pretrained(self, directory: str | Path) -> None:
         self._tokenizer.save_pretrained(str(directory))
 
+    def describe(self) -> str:
+        eos = "none"
+        if self.eos_id is not None:
+            eos = f"{self._tokenizer.convert_ids_to_tokens(self.eos_id)!r} = {self.eos_id}"
+        kind = type(self._tokenizer).__name__
+        template = "yes" if self.chat_template else "no"
+        return f"{self.name} ({kind}, {self.vocab_size} tokens, eos {eos}, chat template {template})"
 
-def build_tokenizer(cfg: TokenizerConfig) -> ByteTokenizer | HFTokenizer:
-    """The configured tokenizer (paths are checked by :mod:`nemo_automodel.components.config.checks`)."""
-    if cfg.name_or_path is None:
-        return ByteTokenizer()
-    return HFTokenizer.load(cfg.name_or_path)
+
+def _no_template(name: str) -> str:
+    return (
+        f"data=chat: the tokenizer {name} has no chat template; use a tokenizer whose tokenizer_config.json has a "
+        "'chat_template' (tokenizer.name_or_path=<dir>), or use data=instruction / data=jsonl"
+    )
+
+
+def holds_tokenizer(directory: str | Path) -> bool:
+    """Whether ``directory`` has the files of a saved HF tokenizer."""
+    return any((Path(directory) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def build_tokenizer(cfg: TokenizerConfig, pretrained_path: str | None = None) -> ByteTokenizer | HFTokenizer:
+    """The configured tokenizer, else the pretrained model's own, else bytes; logged by name.
+
+    Paths are checked before any process starts (:mod:`nemo_automodel.components.config.checks`).
+    """
+    if cfg.name_or_path is not None:
+        tokenizer = HFTokenizer.load(cfg.name_or_path)
+        logger.info("tokenizer: %s", tokenizer.describe())
+        return tokenizer
+    if pretrained_path is not None and holds_tokenizer(pretrained_path):
+        tokenizer = HFTokenizer.load(pretrained_path)
+        logger.info("tokenizer: %s (the model's own: model.pretrained_path)", tokenizer.describe())
+        return tokenizer
+    if pretrained_path is not None:
+        logger.warning(
+            "model.pretrained_path=%s holds no tokenizer: training on the built-in byte tokenizer (256 ids); "
+            "pass tokenizer.name_or_path=<dir> if the model was trained with another one",
+            pretrained_path,
+        )
+    else:
+        logger.info("tokenizer: bytes (built in: 256 ids, EOS and padding = byte 0)")
+    return ByteTokenizer()

@@ -9,18 +9,22 @@ success must *exit* with its code rather than return it: the agent only collects
 return values on success, and a returned value would leave the worker waiting
 for the agent to read it. The parent's exit code is 0 when every worker
 finished, :data:`EXIT_PREEMPTED` when rank 0 recorded a complete preemption
-checkpoint (``preempted.json``), and 1 (or ``128 + signal``) otherwise.
+checkpoint (``preempted.json``), :data:`EXIT_INPUT_ERROR` when a worker stopped on
+a config or data error (its message is already on the console; the tracebacks go
+to the log files only), and 1 (or ``128 + signal``) otherwise.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from nemo_automodel.components.config.errors import EXIT_INPUT_ERROR, log_to_files_only
 from nemo_automodel.components.config.schema import DistConfig
 from nemo_automodel.components.training.preemption import EXIT_PREEMPTED, preempted_marker_step
 
@@ -61,10 +65,15 @@ def launch_local_workers(
     )
     logger.info("starting %d local workers (elastic_launch, rendezvous 127.0.0.1:%d)", nproc, port)
     try:
-        results = elastic_launch(config, entrypoint)(*args)
+        with _input_error_exits_to_files():
+            results = elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as exc:
         if _preempted(run_dir, "a signal to the workers"):
             return EXIT_PREEMPTED
+        if exc.get_first_failure()[1].exitcode == EXIT_INPUT_ERROR:
+            logger.error("stopped by the config or data error above (tracebacks: finetune.log in %s)", run_dir)
+            log_to_files_only(logger.makeRecord(logger.name, logging.ERROR, __file__, 0, exc.format_msg(), (), None))
+            return EXIT_INPUT_ERROR
         logger.error("worker(s) failed:\n%s", exc.format_msg())
         return 1
     except SignalException as exc:
@@ -73,6 +82,27 @@ def launch_local_workers(
         logger.error("stopped by %s before the workers could checkpoint", exc.sigval.name)
         return 128 + int(exc.sigval)
     return max(results.values())
+
+
+class _InputErrorExitToFiles(logging.Filter):
+    """Sends the elastic agent's report of a worker that exited :data:`EXIT_INPUT_ERROR` to the log files only."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "failed (exitcode" in str(record.msg) and record.args and record.args[0] == EXIT_INPUT_ERROR:
+            log_to_files_only(record)
+            return False
+        return True
+
+
+@contextlib.contextmanager
+def _input_error_exits_to_files() -> Iterator[None]:
+    agent_logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    quiet = _InputErrorExitToFiles()
+    agent_logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        agent_logger.removeFilter(quiet)
 
 
 def _preempted(run_dir: Path, cause: str) -> bool:

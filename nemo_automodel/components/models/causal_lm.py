@@ -25,6 +25,19 @@ def llama_config(cfg: ModelConfig, vocab_size: int) -> LlamaConfig:
     )
 
 
+def pretrained_dtype(path: str) -> torch.dtype | None:
+    """The dtype a local checkpoint was saved in (its ``config.json``), or ``None`` when it does not say.
+
+    Training loads every model in float32; the export returns to this dtype (``trainer.export_dtype=auto``).
+    """
+    from transformers import AutoConfig
+
+    dtype = getattr(AutoConfig.from_pretrained(path, local_files_only=True), "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
 def build_causal_lm(cfg: ModelConfig, vocab_size: int, seed: int, activation_checkpointing: bool) -> PreTrainedModel:
     """The fp32 model in train mode, identical on every rank (same ``seed`` -> same weights).
 

@@ -1,4 +1,4 @@
-"""Graceful stop on SIGTERM / SIGUSR1: finish the step, checkpoint, exit with :data:`EXIT_PREEMPTED`.
+"""Graceful stop on SIGTERM / SIGUSR1 / the first Ctrl-C: finish the step, checkpoint, exit :data:`EXIT_PREEMPTED`.
 
 The contract (also in the README):
 
@@ -10,6 +10,11 @@ The contract (also in the README):
 
 Signals may reach ranks at different times (or only some ranks), so every step all
 ranks agree on "stop now" (a flag in the step's one all-reduce) and stop after the same step.
+
+Ctrl-C (SIGINT) stops the same way the first time; a second one aborts at once
+(``KeyboardInterrupt``). A terminal's Ctrl-C reaches the launcher and its workers
+together, and the launcher forwards its copy to the workers too: a SIGINT within
+:data:`SIGINT_REPEAT_S` of the first is that same key press, not a second one.
 """
 
 from __future__ import annotations
@@ -17,24 +22,40 @@ from __future__ import annotations
 import json
 import signal
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
 EXIT_PREEMPTED = 75
-PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 PREEMPTED_MARKER = "preempted.json"
+# A second SIGINT sooner than this after the first is the launcher's forwarded copy of the same Ctrl-C.
+SIGINT_REPEAT_S = 1.0
 
 
 class PreemptionFlag:
-    """Records SIGTERM/SIGUSR1 while installed; the previous handlers are restored on :meth:`uninstall`."""
+    """Records SIGTERM/SIGUSR1/SIGINT while installed; the previous handlers are restored on :meth:`uninstall`.
 
-    def __init__(self) -> None:
+    Args:
+        clock: Seconds, monotonic (a seam for tests of the Ctrl-C rules).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.signal_name: str | None = None
         self._previous: dict[int, object] = {}
+        self._clock = clock
+        self._first_interrupt: float | None = None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         del frame
-        self.signal_name = signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            now = self._clock()
+            if self._first_interrupt is not None and now - self._first_interrupt >= SIGINT_REPEAT_S:
+                raise KeyboardInterrupt("second Ctrl-C: aborting without a checkpoint")
+            if self._first_interrupt is None:
+                self._first_interrupt = now
+        self.signal_name = self.signal_name or signal.Signals(signum).name
 
     def install(self) -> PreemptionFlag:
         if threading.current_thread() is threading.main_thread():  # signal handlers live on the main thread

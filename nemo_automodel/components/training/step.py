@@ -73,6 +73,7 @@ class StepResult:
         loss: Mean CE over every label token of the global batch.
         grad_norm: Global gradient norm before clipping.
         tokens: Non-padding tokens of the global batch.
+        loss_tokens: Label tokens of the global batch (what the loss averages over).
         kv_path: K/V exchange of the step's last CP attention call (``None`` at ``cp = 1``).
         kv_tokens_received: K/V tokens that call received, summed over all ranks.
         skipped: The step saw NaN/Inf (``trainer.on_nonfinite=skip``): no optimizer update.
@@ -89,6 +90,7 @@ class StepResult:
     skipped: bool = False
     preempted: bool = False
     exchange_wait_s: float = 0.0
+    loss_tokens: int = 0
 
 
 class NonFiniteStepError(RuntimeError):
@@ -328,4 +330,37 @@ def train_step(
         skipped=report is not None,
         preempted=totals.sums["preempt"] > 0,
         exchange_wait_s=sum(st.stats.exchange_wait_s + st.stats.exchange_backward_wait_s for st in states),
+        loss_tokens=int(totals.sums["label_tokens"]),
     )
+
+
+@dataclass(frozen=True)
+class ValidationResult:
+    """Global validation figures: mean CE over every label token, its exponential, and the token count."""
+
+    loss: float
+    ppl: float
+    loss_tokens: int
+
+
+def validate(model: torch.nn.Module, rows: list[dict[str, torch.Tensor]], setup: StepSetup) -> ValidationResult:
+    """Collective over ``dp x cp``: the validation loss of ``rows`` through the training's CP path, without grads.
+
+    Args:
+        rows: This dp rank's validation rows, each ``{input_ids, labels, position_ids, _packed_seq_ids}``
+            ``[1, S]``; every dp rank passes the same number (FSDP gathers parameters in each forward).
+    """
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=setup.device)  # [CE sum, label tokens]
+    with torch.no_grad():
+        for row in rows:
+            train_ctx, local = _shard(setup, row)
+            with train_ctx(), attention_scope(setup.attention), _autocast(setup):
+                logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+            totals[0] += token_ce_sum(logits, local["labels"]).double()
+            totals[1] += (local["labels"] != IGNORE_INDEX).sum()
+    model.train(was_training)
+    dist.all_reduce(totals, group=setup.reduce_group)
+    loss = float(totals[0] / totals[1].clamp(min=1))
+    return ValidationResult(loss, math.exp(min(loss, 700.0)), int(totals[1]))

@@ -7,7 +7,13 @@ model, not two). Command line::
     python -m nemo_automodel.components.distributed.blockdiag_cp.plan --cp 8 --seq-len 131072 \\
         --doc-lens 30000,2000,1500 [--heads 32 --kv-heads 8 --head-dim 128 --dtype bf16 --device cuda]
     python -m nemo_automodel.components.distributed.blockdiag_cp.plan --cp 8 --seq-len 131072 \\
-        --data train.jsonl [--tokenizer /local/hf_tokenizer_dir] [--rows 8]
+        --data train.jsonl [--data-format text|chat|instruction] [--text-field text] \\
+        [--tokenizer /local/hf_tokenizer_dir] [--rows 8]
+
+``--data`` builds the fine-tuning recipe's own packed rows: the same reading, formatting
+(chat template, EOS after every document), tokenization and packing function
+(:func:`nemo_automodel.components.datasets.loader.prepare_data`, the recipe's defaults for
+packing algorithm and seed), so the plan describes the rows the recipe would train on.
 
 Figures per layout and exchange (per CP rank, one attention layer, forward + backward):
 K/V tokens and bytes received (max and mean over ranks), the lower bound
@@ -18,7 +24,7 @@ the predicted step time relative to the best combination.
 from __future__ import annotations
 
 import argparse
-import json
+import glob
 import os
 import statistics
 from collections.abc import Iterable
@@ -98,46 +104,23 @@ def format_table(rows: list[PlanRow]) -> str:
     return "\n".join(lines)
 
 
-def _pack(lengths: list[int], seq_len: int) -> list[list[int]]:
-    """Rows of document lengths: first-fit-decreasing; documents longer than a row are cut into row-sized parts."""
-    parts = [min(seq_len, n - start) for n in lengths for start in range(0, n, seq_len)]
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for n in sorted(parts, reverse=True):
-        at = next((i for i, r in enumerate(room) if r >= n), None)
-        if at is None:
-            rows.append([n])
-            room.append(seq_len - n)
-        else:
-            rows[at].append(n)
-            room[at] -= n
-    return rows
+def _recipe_rows(args: argparse.Namespace) -> list[list[int]]:
+    """Document lengths of the first ``--rows`` rows the recipe would pack from ``--data``.
 
+    Raises:
+        ValueError: the recipe's own message for bad data.
+    """
+    from nemo_automodel.components.config.schema import DataConfig, TokenizerConfig
+    from nemo_automodel.components.datasets.loader import prepare_data
+    from nemo_automodel.components.datasets.tokenizer import build_tokenizer
 
-def _lengths_from_jsonl(path: str, tokenizer: str | None) -> list[int]:
-    """Token count of every ``{"text": ...}`` line (+1 for EOS): UTF-8 bytes, or an HF tokenizer from a local dir."""
-    encode = _byte_tokens
-    if tokenizer:
-        from transformers import AutoTokenizer
-
-        encode = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True).encode
+    cfg = DataConfig(source=args.data_format, path=args.data, text_field=args.text_field, seq_len=args.seq_len)
+    rows = prepare_data(cfg, build_tokenizer(TokenizerConfig(name_or_path=args.tokenizer))).train
     lengths = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                lengths.append(len(encode(_text_of(line, path, n))) + 1)
+    for seq_ids in rows.seq_ids[: args.rows]:
+        _, counts = seq_ids[seq_ids > 0].unique_consecutive(return_counts=True)
+        lengths.append(counts.tolist())
     return lengths
-
-
-def _text_of(line: str, path: str, n: int) -> str:
-    """The ``text`` field of JSONL line ``n``; a ``ValueError`` naming the file and line otherwise."""
-    try:
-        text = json.loads(line).get("text")
-    except (json.JSONDecodeError, AttributeError):
-        text = None
-    if not isinstance(text, str):
-        raise ValueError(f"--data {path}: line {n} is not a JSON object with a string 'text' field")
-    return text
 
 
 def _positive_int(text: str) -> int:
@@ -153,10 +136,6 @@ def _doc_lengths(text: str) -> list[int]:
     if not parts or not all(x.strip().isdigit() and int(x) > 0 for x in parts):
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated positive integers (document lengths)")
     return [int(x) for x in parts]
-
-
-def _byte_tokens(text: str) -> bytes:
-    return text.encode("utf-8")
 
 
 def _average(tables: list[list[PlanRow]]) -> list[PlanRow]:
@@ -187,7 +166,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq-len", type=_positive_int, required=True, help="packed row length")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--doc-lens", type=_doc_lengths, help="comma-separated document lengths of one packed row")
-    source.add_argument("--data", help="JSONL file with a 'text' field per line")
+    source.add_argument("--data", help="the recipe's data: a json/jsonl/parquet/arrow file, a directory or a glob")
+    parser.add_argument(
+        "--data-format", default="text", choices=("text", "chat", "instruction"), help="as the recipe's data=..."
+    )
+    parser.add_argument("--text-field", default="text", help="the text field of --data-format text")
     parser.add_argument("--tokenizer", help="local Hugging Face tokenizer dir (default: bytes)")
     parser.add_argument("--rows", type=_positive_int, default=8, help="packed rows to evaluate from --data")
     parser.add_argument("--heads", type=_positive_int, default=32)
@@ -203,10 +186,10 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--doc-lens add up to {sum(args.doc_lens)} tokens, more than --seq-len {args.seq_len}")
         packed = [args.doc_lens]
     else:
-        if not os.path.isfile(args.data):
+        if not os.path.exists(args.data) and not glob.glob(args.data):
             parser.error(f"--data {args.data}: no such file")
         try:
-            packed = _pack(_lengths_from_jsonl(args.data, args.tokenizer), args.seq_len)[: args.rows]
+            packed = _recipe_rows(args)
         except ValueError as exc:
             parser.error(str(exc))
     tables = [plan_rows(doc_runs_from_lengths(row, args.seq_len), args.cp, shape, machine) for row in packed]

@@ -1,0 +1,214 @@
+"""Records (one JSON object / table row each) to token documents with per-token loss targets.
+
+Three formats, chosen by ``data.source``:
+
+- ``text`` (alias ``jsonl``): ``{text_field: str}``; every token is a target;
+- ``instruction``: ``{prompt_field: str, completion_field: str}``, tokenized one after the
+  other; with answer-only loss only the completion is a target;
+- ``chat``: ``{messages_field: [{"role", "content"}, ...]}`` rendered with the tokenizer's chat
+  template; with answer-only loss each assistant turn's content and the end-of-turn text that
+  closes it are targets; system/user turns and role headers are not.
+
+A *target* is a token that some label predicts: ``labels[i] = ids[i + 1]`` when token
+``i + 1`` is a target (and of the same document), else ``-100``.
+
+The assistant spans are found by rendering prefixes of the conversation, so they do not need
+``{% generation %}`` markers in the template: for assistant turn ``k``, the text from the end of
+``render(messages[:k], add_generation_prompt=True)`` to the end of ``render(messages[:k + 1])``
+(trailing whitespace excluded) is the answer. The rendering is tokenized segment by segment at
+those boundaries, exactly as a prompt and a generated answer are at inference time.
+
+EOS: with ``data.add_eos`` every document ends with the tokenizer's EOS, unless its rendering
+already does. The appended EOS is a target when the token before it is one (an instruction's
+completion, a conversation that ends with an assistant turn), so the model learns to stop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from nemo_automodel.components.config.schema import DataConfig
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class Document:
+    """One document's token ids ``[n]`` and per-token targets ``[n]`` (``None``: every token is a target).
+
+    ``answer_ends`` are the token offsets just after each answer span (chat and instruction):
+    the only places a too-long conversation may be cut without half-labelling a turn.
+    """
+
+    ids: list[int]
+    targets: list[bool] | None = None
+    answer_ends: tuple[int, ...] = ()
+
+    @property
+    def loss_tokens(self) -> int:
+        """Labels this document yields once packed (its first token is no target: nothing predicts it)."""
+        if self.targets is None:
+            return max(len(self.ids) - 1, 0)
+        return sum(self.targets[1:])
+
+
+@dataclass
+class FormatStats:
+    """What conversion did to the records, for the log (``data: ...``)."""
+
+    records: int = 0
+    empty: int = 0
+    cut: int = 0
+    dropped: int = 0
+    dropped_rows: list[str] = field(default_factory=list)
+
+    def summary(self, seq_len: int) -> str:
+        parts = [f"{self.records} records"]
+        if self.empty:
+            parts.append(f"{self.empty} empty (skipped)")
+        if self.cut or self.dropped:
+            parts.append(
+                f"{self.cut + self.dropped} longer than data.seq_len={seq_len}: {self.cut} cut to their leading "
+                f"turns, {self.dropped} dropped (no whole assistant turn fits)"
+                + (f", e.g. {', '.join(self.dropped_rows[:3])}" if self.dropped_rows else "")
+            )
+        return "; ".join(parts)
+
+
+def answer_only(cfg: DataConfig) -> bool:
+    """Whether only answers carry loss: ``data.loss_on=answer``, or ``auto`` with chat/instruction data."""
+    if cfg.loss_on == "auto":
+        return cfg.source in ("chat", "instruction")
+    return cfg.loss_on == "answer"
+
+
+def check_record(cfg: DataConfig, record: Any) -> None:
+    """Raise a ``ValueError`` (no file context) when ``record`` is not a row of ``cfg.source``'s format."""
+    if not isinstance(record, dict):
+        raise ValueError(f"is not a JSON object (got {type(record).__name__})")
+    if cfg.source == "chat":
+        _check_messages(record.get(cfg.messages_field), cfg)
+    elif cfg.source == "instruction":
+        for name in (cfg.prompt_field, cfg.completion_field):
+            if not isinstance(record.get(name), str):
+                raise ValueError(
+                    f"has no string field {name!r}; data=instruction expects {{{cfg.prompt_field!r}: ..., "
+                    f"{cfg.completion_field!r}: ...}} per row (names: data.prompt_field / data.completion_field); "
+                    f"a row of another format means the file mixes formats"
+                )
+        if not record[cfg.completion_field].strip():
+            raise ValueError(
+                f"has an empty {cfg.completion_field!r}: the completion is what the model learns; "
+                "fill it in or remove the row"
+            )
+    elif not isinstance(record.get(cfg.text_field), str):
+        raise ValueError(
+            f"has no string field {cfg.text_field!r}; each row must be an object like {{{cfg.text_field!r}: ...}} "
+            "(or set data.text_field)"
+        )
+
+
+def _check_messages(messages: Any, cfg: DataConfig) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(
+            f"has no non-empty list {cfg.messages_field!r}; data=chat expects {{{cfg.messages_field!r}: "
+            "[{'role': ..., 'content': ...}, ...]} per row (or set data.messages_field); a row of another format "
+            "means the file mixes formats"
+        )
+    for i, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        if role not in CHAT_ROLES:
+            raise ValueError(
+                f"message {i} has role {role!r}; valid roles: {', '.join(CHAT_ROLES)} "
+                "(each message is {'role': ..., 'content': '...'})"
+            )
+        if not isinstance(message.get("content"), str):
+            raise ValueError(f"message {i} ({role}) has no string 'content'")
+    if answer_only(cfg) and not any(m["role"] == "assistant" for m in messages):
+        raise ValueError(
+            "has no assistant message: with answer-only loss nothing in it would be learned; "
+            "remove it, or set data.loss_on=all"
+        )
+
+
+def _chat_segments(messages: list[dict[str, Any]], tokenizer: Any) -> list[tuple[str, bool]]:
+    """The full rendering cut into ``(text, is_answer)`` segments by rendering prefixes (module docstring)."""
+
+    def render(prefix: list[dict[str, Any]], generation_prompt: bool) -> str:
+        try:
+            return tokenizer.render_chat(prefix, add_generation_prompt=generation_prompt)
+        except ValueError:
+            raise
+        except Exception as exc:  # jinja errors of the template itself (e.g. roles must alternate)
+            raise ValueError(f"the chat template cannot render it: {type(exc).__name__}: {exc}") from None
+
+    full = render(messages, False)
+    segments: list[tuple[str, bool]] = []
+    done = 0
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before, after = render(messages[:k], True), render(messages[: k + 1], False)
+        if not (full.startswith(after) and after.startswith(before) and len(before) >= done):
+            raise ValueError(
+                f"the chat template renders turn {k} differently once later turns follow, so its answer span "
+                "cannot be found; set data.loss_on=all, or use a template that renders conversations "
+                "incrementally"
+            )
+        end = max(len(before), len(after.rstrip()))
+        segments += [(full[done : len(before)], False), (full[len(before) : end], True)]
+        done = end
+    if full[done:].strip():
+        segments.append((full[done:], False))
+    return [(text, answer) for text, answer in segments if text]
+
+
+def _tokenize_segments(segments: list[tuple[str, bool]], tokenizer: Any, all_targets: bool) -> Document:
+    ids: list[int] = []
+    targets: list[bool] = []
+    ends: list[int] = []
+    for text, answer in segments:
+        tokens = tokenizer.encode(text)
+        ids += tokens
+        targets += [answer or all_targets] * len(tokens)
+        if answer:
+            ends.append(len(ids))
+    return Document(ids, targets, tuple(ends))
+
+
+def record_to_document(cfg: DataConfig, record: dict[str, Any], tokenizer: Any) -> Document:
+    """One checked record as a document (before EOS and before any length policy)."""
+    if cfg.source == "chat":
+        segments = _chat_segments(record[cfg.messages_field], tokenizer)
+        return _tokenize_segments(segments, tokenizer, all_targets=not answer_only(cfg))
+    if cfg.source == "instruction":
+        segments = [(record[cfg.prompt_field], False), (record[cfg.completion_field], True)]
+        return _tokenize_segments(segments, tokenizer, all_targets=not answer_only(cfg))
+    return Document(tokenizer.encode(record[cfg.text_field]))
+
+
+def with_eos(doc: Document, eos_id: int | None) -> Document:
+    """``doc`` ending with ``eos_id`` (added unless it already ends with it); see the module docstring."""
+    if eos_id is None or (doc.ids and doc.ids[-1] == eos_id):
+        return doc
+    targets = None if doc.targets is None else doc.targets + [bool(doc.targets and doc.targets[-1])]
+    return Document(doc.ids + [eos_id], targets, doc.answer_ends)
+
+
+def fit_conversation(doc: Document, seq_len: int, eos_id: int | None) -> Document | None:
+    """A chat/instruction document of at most ``seq_len`` tokens with EOS, or ``None`` when none fits.
+
+    Too long: the leading turns are kept, up to the end of the last assistant turn that
+    fits with its EOS; an answer is never cut in half.
+    """
+    full = with_eos(doc, eos_id)
+    if len(full.ids) <= seq_len:
+        return full
+    extra = 0 if eos_id is None else 1
+    fitting = [end for end in doc.answer_ends if end + extra <= seq_len]
+    if not fitting:
+        return None
+    end = fitting[-1]
+    cut = Document(doc.ids[:end], None if doc.targets is None else doc.targets[:end], tuple(fitting))
+    return with_eos(cut, eos_id)
