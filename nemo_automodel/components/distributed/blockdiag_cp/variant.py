@@ -1,0 +1,88 @@
+"""Attention variants real model families ask for: sliding windows, logit soft-capping, attention sinks.
+
+Semantics (those of transformers' eager attention, per document):
+
+- ``window=W`` (transformers' ``sliding_window``): the query at document position
+  ``i`` attends the keys ``j`` of its own document with ``i - W < j <= i`` (``W``
+  keys, itself included). flash-attn's ``window_size=(W - 1, 0)``.
+- ``softcap=c``: every score ``s`` (after scaling) becomes ``c * tanh(s / c)``
+  before masking and softmax (Gemma 2).
+- ``sinks`` ``[Hq]``: one learned logit per query head that joins every row's
+  softmax denominator and carries no value (gpt-oss ``s_aux``): the row's weights
+  sum to less than one.
+
+A kernel that cannot express a variant refuses it by name (see
+:func:`~nemo_automodel.components.distributed.blockdiag_cp.kernels.kernel_unavailable_reason`);
+nothing is ever dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionVariant:
+    """What one attention call computes beyond per-document causal softmax attention.
+
+    Attributes:
+        window: Sliding window ``W >= 1`` in keys (``None``: full causal).
+        softcap: Logit soft-cap ``c > 0`` (``None``: none).
+        sinks: Sink logits ``[Hq]`` (``None``: none); a parameter, so it gets a gradient.
+        source: Where the variant comes from (e.g. ``"MistralForCausalLM layer 3"``), named in errors.
+    """
+
+    window: int | None = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        where = f" ({self.source})" if self.source else ""
+        if self.window is not None and (
+            isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1
+        ):
+            raise ValueError(f"sliding_window={self.window!r}{where}: must be a positive int (or None for full attention)")
+        if self.softcap is not None and (
+            isinstance(self.softcap, bool)
+            or not isinstance(self.softcap, (int, float))
+            or not math.isfinite(self.softcap)
+            or self.softcap <= 0
+        ):
+            raise ValueError(f"softcap={self.softcap!r}{where}: must be a positive finite number (or None)")
+        if self.sinks is not None and (
+            not isinstance(self.sinks, torch.Tensor) or self.sinks.dim() != 1 or not self.sinks.is_floating_point()
+        ):
+            shape = tuple(self.sinks.shape) if isinstance(self.sinks, torch.Tensor) else type(self.sinks).__name__
+            raise ValueError(f"s_aux (attention sinks){where}: must be a floating [num_heads] tensor, got {shape}")
+
+    @property
+    def plain(self) -> bool:
+        """True when this is plain per-document causal attention."""
+        return self.window is None and self.softcap is None and self.sinks is None
+
+    @property
+    def key(self) -> tuple[int | None, bool, bool]:
+        """What kernel choice and plans depend on: ``(window, has softcap, has sinks)``."""
+        return self.window, self.softcap is not None, self.sinks is not None
+
+    def features(self) -> list[str]:
+        """The variant's features as a user would name them, e.g. ``["sliding_window=4096", "softcap=50.0"]``."""
+        names = []
+        if self.window is not None:
+            names.append(f"sliding_window={self.window}")
+        if self.softcap is not None:
+            names.append(f"softcap={self.softcap}")
+        if self.sinks is not None:
+            names.append("s_aux (attention sinks)")
+        return names
+
+    def describe(self, feature: str) -> str:
+        """``feature`` followed by where it comes from, e.g. ``"sliding_window=4096 (MistralForCausalLM layer 3)"``."""
+        return f"{feature} ({self.source})" if self.source else feature
+
+
+PLAIN = AttentionVariant()
