@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from nemo_automodel.components.distributed.blockdiag_cp.logs import log_once
+from nemo_automodel.components.distributed.blockdiag_cp.variant import PLAIN, AttentionVariant
 
 if TYPE_CHECKING:
     from nemo_automodel.components.distributed.blockdiag_cp.kernels import VarlenMeta
@@ -455,7 +456,13 @@ def _boundary_guarded(
 
 
 def flash(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMeta, scale: float | None, dropout_p: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: VarlenMeta,
+    scale: float | None,
+    dropout_p: float,
+    variant: AttentionVariant = PLAIN,
 ) -> torch.Tensor:
     """flash-attn 2: ``flash_attn_varlen_func`` with ``causal=True`` (bottom-right), boundary-guarded."""
     from flash_attn import flash_attn_func, flash_attn_varlen_func
@@ -491,7 +498,13 @@ def flash(
 
 
 def fa3(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMeta, scale: float | None, dropout_p: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: VarlenMeta,
+    scale: float | None,
+    dropout_p: float,
+    variant: AttentionVariant = PLAIN,
 ) -> torch.Tensor:
     """FlashAttention-3 varlen with ``causal=True`` (bottom-right), boundary-guarded like ``flash``.
 
@@ -533,7 +546,13 @@ def fa3(
 
 
 def torch_varlen(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMeta, scale: float | None, dropout_p: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: VarlenMeta,
+    scale: float | None,
+    dropout_p: float,
+    variant: AttentionVariant = PLAIN,
 ) -> torch.Tensor:
     """torch's ``varlen_attn``; causal is ``window_size=(-1, 0)`` (it sets ``is_causal = window_size == (-1, 0)``).
 
@@ -589,7 +608,13 @@ def te_module(
 
 
 def te(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMeta, scale: float | None, dropout_p: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: VarlenMeta,
+    scale: float | None,
+    dropout_p: float,
+    variant: AttentionVariant = PLAIN,
 ) -> torch.Tensor:
     """TransformerEngine THD attention, ``padding_causal_bottom_right``, ``attention_type="cross"``."""
     module = te_module(q.shape[1], k.shape[1], q.shape[3], scale, dropout_p, q.device)

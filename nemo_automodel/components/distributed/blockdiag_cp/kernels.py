@@ -37,6 +37,7 @@ from torch.utils.checkpoint import checkpoint
 from nemo_automodel.components.distributed.blockdiag_cp import gpu_kernels
 from nemo_automodel.components.distributed.blockdiag_cp.layout import RankSegments
 from nemo_automodel.components.distributed.blockdiag_cp.logs import log_once
+from nemo_automodel.components.distributed.blockdiag_cp.variant import PLAIN, AttentionVariant
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,10 @@ class VarlenMeta:
         cu_k: Cumulative key offsets ``[n_segments + 1]`` int32 on the compute device.
         max_q: Longest query run.
         max_k: Longest key run.
+        window: Sliding window ``W`` of these segments (``None``: full causal). Each segment's
+            keys are then only those inside the window of one of its rows, and row ``a`` of a
+            segment attends its bottom-right-aligned keys ``[a + k_len - q_len - (W - 1), a + k_len - q_len]``
+            (flash-attn's ``window_size=(W - 1, 0)``).
     """
 
     local_len: int
@@ -80,6 +85,7 @@ class VarlenMeta:
     cu_k: torch.Tensor
     max_q: int
     max_k: int
+    window: int | None = None
     _masks: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -128,7 +134,11 @@ class SegmentBatch:
 
 
 def build_varlen_meta(
-    q_lens: tuple[int, ...], k_lens: tuple[int, ...], local_len: int, device: torch.device | str
+    q_lens: tuple[int, ...],
+    k_lens: tuple[int, ...],
+    local_len: int,
+    device: torch.device | str,
+    window: int | None = None,
 ) -> VarlenMeta:
     """Build and validate the metadata of segments whose rows are the first ``sum(q_lens)`` of ``local_len``.
 
@@ -147,6 +157,7 @@ def build_varlen_meta(
         cu_k=torch.tensor(cu_k, dtype=torch.int32, device=device),
         max_q=max(q_lens, default=0),
         max_k=max(k_lens, default=0),
+        window=window,
     )
     reason = _host_metadata_problem(meta)
     if reason is not None:
@@ -281,7 +292,13 @@ def _dense_mask(meta: VarlenMeta, dtype: torch.dtype, device: torch.device) -> t
 
 
 def _dense(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMeta, scale: float | None, dropout_p: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: VarlenMeta,
+    scale: float | None,
+    dropout_p: float,
+    variant: AttentionVariant = PLAIN,
 ) -> torch.Tensor:
     """One masked SDPA call over all real rows; the ``[n_real, K]`` mask is explicit."""
     gqa = q.shape[1] != k.shape[1]
@@ -405,7 +422,13 @@ def _masked_tiles(
 
 
 def _sdpa_varlen(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMeta, scale: float | None, dropout_p: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: VarlenMeta,
+    scale: float | None,
+    dropout_p: float,
+    variant: AttentionVariant = PLAIN,
 ) -> torch.Tensor:
     """Per-document SDPA; segments of the same shape share one batched call.
 
@@ -439,7 +462,9 @@ def _stacked(parts: tuple[torch.Tensor, ...], indices: tuple[int, ...]) -> torch
     return parts[indices[0]] if len(indices) == 1 else torch.cat([parts[i] for i in indices])
 
 
-KernelFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, VarlenMeta, "float | None", float], torch.Tensor]
+KernelFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, VarlenMeta, "float | None", float, AttentionVariant], torch.Tensor
+]
 # (head_dim, dropout_p) -> why the kernel cannot take this call anywhere, or None
 LimitsCheck = Callable[["int | None", float], "str | None"]
 # (device, head_dim, dropout_p) -> why this installation/GPU cannot run it, or None
@@ -461,6 +486,8 @@ class KernelSpec:
         limits: Head-dim and dropout limits, true on every machine (checked first).
         environment: Package, version and GPU checks (imports the package once).
         auto_skip: Why ``auto`` passes over the kernel although it could run.
+        variant_problem: Why the kernel cannot express an :class:`AttentionVariant` (window,
+            soft-cap, sinks), naming the feature; ``None``: it expresses every variant.
     """
 
     name: str
@@ -470,6 +497,7 @@ class KernelSpec:
     limits: LimitsCheck | None = None
     environment: EnvironmentCheck | None = None
     auto_skip: Callable[[torch.device], str | None] | None = None
+    variant_problem: Callable[[AttentionVariant], str | None] | None = None
 
 
 KERNELS: dict[str, KernelSpec] = {
@@ -518,12 +546,18 @@ class KernelUnavailableError(ValueError):
 
 
 def kernel_unavailable_reason(
-    name: str, dtype: torch.dtype, device: torch.device, *, head_dim: int | None = None, dropout_p: float = 0.0
+    name: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    head_dim: int | None = None,
+    dropout_p: float = 0.0,
+    variant: AttentionVariant = PLAIN,
 ) -> str | None:
     """Why kernel ``name`` cannot run this call, or ``None``; launches nothing.
 
-    Checks, in order: the kernel's head-dim and dropout limits (true on any
-    machine), the device type and dtype, then the installation and the GPU
+    Checks, in order: the attention variant (window, soft-cap, sinks) and the
+    kernel's head-dim and dropout limits (true on any machine), the device type and dtype, then the installation and the GPU
     (package really imported once, version, compute capability). Each reason
     says what to do about it.
 
@@ -533,11 +567,14 @@ def kernel_unavailable_reason(
         device: Query device.
         head_dim: Head dimension ``D`` (``None``: not checked).
         dropout_p: Attention dropout of the call.
+        variant: The call's attention variant.
     """
     spec = KERNELS.get(name)
     if spec is None:
         return f"unknown attention kernel {name!r} (known: {', '.join(KERNELS)})"
     device = torch.device(device)
+    if not variant.plain and spec.variant_problem is not None and (reason := spec.variant_problem(variant)):
+        return reason
     if spec.limits is not None and (reason := spec.limits(head_dim, dropout_p)) is not None:
         return reason
     if spec.device_types is not None and device.type not in spec.device_types:
@@ -553,7 +590,13 @@ def kernel_unavailable_reason(
 
 
 def select_kernel(
-    requested: str, dtype: torch.dtype, device: torch.device, *, head_dim: int | None = None, dropout_p: float = 0.0
+    requested: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    head_dim: int | None = None,
+    dropout_p: float = 0.0,
+    variant: AttentionVariant = PLAIN,
 ) -> str:
     """The concrete kernel for a call.
 
@@ -566,6 +609,7 @@ def select_kernel(
         device: Query device.
         head_dim: Head dimension ``D``.
         dropout_p: Attention dropout of the call.
+        variant: The call's attention variant (a kernel that cannot express it is skipped by ``auto``).
 
     Raises:
         KernelUnavailableError: when an explicitly requested kernel cannot run
@@ -573,7 +617,9 @@ def select_kernel(
     """
     device = torch.device(device)
     if requested != "auto":
-        reason = kernel_unavailable_reason(requested, dtype, device, head_dim=head_dim, dropout_p=dropout_p)
+        reason = kernel_unavailable_reason(
+            requested, dtype, device, head_dim=head_dim, dropout_p=dropout_p, variant=variant
+        )
         if reason is not None:
             raise KernelUnavailableError(requested, reason)
         if requested == "te":
@@ -582,11 +628,15 @@ def select_kernel(
     skipped = []
     for name in AUTO_PREFERENCE:
         spec = KERNELS[name]
-        reason = kernel_unavailable_reason(name, dtype, device, head_dim=head_dim, dropout_p=dropout_p)
+        reason = kernel_unavailable_reason(name, dtype, device, head_dim=head_dim, dropout_p=dropout_p, variant=variant)
         if reason is None and spec.auto_skip is not None:
             reason = spec.auto_skip(device)
         if reason is None:
-            decision = f"attn_backend=auto -> {name} ({dtype} on {device}, head_dim={head_dim}, dropout_p={dropout_p})"
+            features = ", ".join(variant.features()) or "plain causal"
+            decision = (
+                f"attn_backend=auto -> {name} ({dtype} on {device}, head_dim={head_dim}, dropout_p={dropout_p}, "
+                f"{features})"
+            )
             if skipped:
                 decision += "; skipped " + "; ".join(skipped)
             log_once(logger, f"kernel-auto:{decision}", logging.INFO, "%s", decision)
@@ -672,6 +722,7 @@ def blockdiag_attention(
     meta: VarlenMeta,
     scale: float | None,
     dropout_p: float,
+    variant: AttentionVariant = PLAIN,
 ) -> torch.Tensor:
     """Run ``kernel`` on one rank's local queries and packed keys.
 
@@ -683,10 +734,15 @@ def blockdiag_attention(
         meta: This rank's :class:`VarlenMeta`.
         scale: Softmax scale (``None``: ``D ** -0.5``).
         dropout_p: Attention dropout probability.
+        variant: Soft-cap and sinks of the call (the window is ``meta.window``: the
+            keys were selected for it).
 
     Returns:
-        ``[1, Hq, L, D]``; padding rows are zero.
+        ``[1, Hq, L, Dv]``; padding rows are zero.
     """
+    if meta.window != variant.window:
+        raise ValueError(f"internal error: metadata for window {meta.window} used for window {variant.window}")
     if meta.n_real == 0:
-        return zeros_attached(q, k, v)
-    return KERNELS[kernel].fn(q, k, v, meta, scale, dropout_p)
+        deps = (k, v) if variant.sinks is None else (k, v, variant.sinks)
+        return zeros_attached(q, *deps)
+    return KERNELS[kernel].fn(q, k, v, meta, scale, dropout_p, variant)
