@@ -13,10 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from nemo_automodel.components.distributed.blockdiag_cp import consensus, cost
 from nemo_automodel.components.distributed.blockdiag_cp import state as state_module
-from nemo_automodel.components.distributed.blockdiag_cp.kernels import (
-    plan_attention_groups,
-    precompute_blockdiag_varlen_meta,
-)
+from nemo_automodel.components.distributed.blockdiag_cp.kernels import build_window_plan
 from nemo_automodel.components.distributed.blockdiag_cp.layout import (
     DocRuns,
     ShardPlan,
@@ -329,8 +326,6 @@ def _build_step_state(
     doc_ids_full = torch.nn.functional.pad(doc_ids, (0, plan.runs.total_len - doc_ids.shape[1]))
     if not plan.is_identity:
         doc_ids_full = doc_ids_full.index_select(1, plan.permutation.to(device))
-    segments = plan.segments(rank)
-    groups, merge_index = plan_attention_groups(segments, device)
     cu_cpu = torch.tensor(plan.physical_cu_seqlens(), dtype=torch.int32)
     return StepState(
         group=group,
@@ -340,12 +335,10 @@ def _build_step_state(
         row_offset=rank * plan.local_len,
         local_len=plan.local_len,
         shard_plan=plan,
-        segments=segments,
-        varlen_meta=precompute_blockdiag_varlen_meta(segments, device),
-        groups=groups,
-        merge_index=merge_index,
         packed_cu_seqlens=cu_cpu.to(device),
         packed_cu_seqlens_cpu=cu_cpu,
         positions=plan.permutation[rank * plan.local_len : (rank + 1) * plan.local_len].to(device),
         options=options,
+        # The full-attention plan now, so inconsistent metadata fails at batch build; windowed ones at first use.
+        cache=state_module.StepCache(windows={None: build_window_plan(plan, rank, None, device)}),
     )

@@ -113,10 +113,14 @@ def _split_by_owner(start: int, end: int, local_len: int) -> list[Piece]:
     return out
 
 
-def compute_kv_plan(shard: ShardPlan) -> KVPlan:
-    """The exchange plan of ``shard``: what every rank's remote segments need (no communication)."""
+def compute_kv_plan(shard: ShardPlan, window: int | None = None) -> KVPlan:
+    """The exchange plan of ``shard`` for attention with sliding ``window``: what every rank's remote segments need.
+
+    No communication: the shard plan is replicated. With a window, only keys
+    inside some local row's window are needed (the windowed lower bound).
+    """
     pieces = []
-    for seg in shard.all_segments:
+    for seg in shard.windowed_segments(window):
         ranges = seg.packed_ranges(seg.split_local_remote()[1])
         pieces.append(tuple(p for s, e in ranges for p in _split_by_owner(s, e, shard.local_len)))
     return KVPlan(shard.cp, shard.local_len, tuple(pieces))

@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from nemo_automodel.components.distributed.blockdiag_cp import gpu_kernels
-from nemo_automodel.components.distributed.blockdiag_cp.layout import RankSegments
+from nemo_automodel.components.distributed.blockdiag_cp.layout import RankSegments, ShardPlan
+from nemo_automodel.components.distributed.blockdiag_cp.state import WindowPlan
 from nemo_automodel.components.distributed.blockdiag_cp.logs import log_once
 from nemo_automodel.components.distributed.blockdiag_cp.variant import PLAIN, AttentionVariant
 
@@ -167,7 +168,7 @@ def build_varlen_meta(
 
 def precompute_blockdiag_varlen_meta(segments: RankSegments, device: torch.device | str) -> VarlenMeta:
     """Metadata of all of a rank's segments over its ``L`` local rows (padding rows last)."""
-    return build_varlen_meta(segments.q_lens, segments.k_lens, segments.local_len, device)
+    return build_varlen_meta(segments.q_lens, segments.k_lens, segments.local_len, device, segments.window)
 
 
 def _host_metadata_problem(meta: VarlenMeta) -> str | None:
@@ -225,7 +226,11 @@ def _group(segments: RankSegments, members: list[int], local: bool, device: torc
         rows=(rows[0], rows[0] + len(rows)) if contiguous else torch.tensor(rows, dtype=torch.long, device=device),
         kv_ranges=segments.packed_ranges(members),
         meta=build_varlen_meta(
-            tuple(segments.q_lens[i] for i in members), tuple(segments.k_lens[i] for i in members), len(rows), device
+            tuple(segments.q_lens[i] for i in members),
+            tuple(segments.k_lens[i] for i in members),
+            len(rows),
+            device,
+            segments.window,
         ),
     )
 
@@ -253,6 +258,13 @@ def plan_attention_groups(
     return tuple(groups), torch.tensor(inverse, dtype=torch.long, device=device)
 
 
+def build_window_plan(plan: ShardPlan, rank: int, window: int | None, device: torch.device | str) -> WindowPlan:
+    """Rank ``rank``'s :class:`WindowPlan` for sliding ``window`` (host work from the replicated plan)."""
+    segments = plan.segments(rank, window)
+    groups, merge_index = plan_attention_groups(segments, device)
+    return WindowPlan(window, segments, precompute_blockdiag_varlen_meta(segments, device), groups, merge_index)
+
+
 # ---------------------------------------------------------------------------
 # Kernels
 # ---------------------------------------------------------------------------
@@ -267,7 +279,7 @@ def _pad_rows(out: torch.Tensor, local_len: int) -> torch.Tensor:
 
 
 def _dense_allowed(meta: VarlenMeta) -> torch.Tensor:
-    """Boolean ``[n_real, K]`` mask on the host: same document and key position <= query position."""
+    """Boolean ``[n_real, K]`` mask on the host: same document, key position <= query position, inside the window."""
     q_lens, k_lens = torch.tensor(meta.q_lens), torch.tensor(meta.k_lens)
     doc_q = torch.repeat_interleave(torch.arange(len(meta.q_lens)), q_lens)
     doc_k = torch.repeat_interleave(torch.arange(len(meta.k_lens)), k_lens)
@@ -276,19 +288,67 @@ def _dense_allowed(meta: VarlenMeta) -> torch.Tensor:
     # Position inside the document; queries are shifted by the left straddle (bottom-right causal).
     pos_q = torch.arange(meta.n_real) - cu_q[doc_q] + (k_lens - q_lens)[doc_q]
     pos_k = torch.arange(meta.kv_len) - cu_k[doc_k]
-    return (doc_q[:, None] == doc_k[None, :]) & (pos_k[None, :] <= pos_q[:, None])
+    allowed = (doc_q[:, None] == doc_k[None, :]) & (pos_k[None, :] <= pos_q[:, None])
+    if meta.window is not None:
+        allowed &= pos_k[None, :] > pos_q[:, None] - meta.window
+    return allowed
 
 
 def _dense_mask(meta: VarlenMeta, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The additive ``[n_real, K]`` mask of ``meta``: built once per step and shared by every layer.
+    """The ``[n_real, K]`` mask of ``meta`` (additive in ``dtype``, or boolean for ``torch.bool``).
 
-    Built on the host and copied once (building it on the device from the host
-    lists would cost host-device copies, i.e. syncs, in every layer).
+    Built once per step on the host and copied once, then shared by every layer
+    (building it on the device from the host lists would cost host-device
+    copies, i.e. syncs, in every layer).
     """
     key = (str(dtype), str(device))
     if key not in meta._masks:
-        meta._masks[key] = _additive_mask(_dense_allowed(meta), dtype).to(device)
+        allowed = _dense_allowed(meta)
+        meta._masks[key] = (allowed if dtype == torch.bool else _additive_mask(allowed, dtype)).to(device)
     return meta._masks[key]
+
+
+def _explicit_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    scale: float | None,
+    dropout_p: float,
+    variant: AttentionVariant,
+) -> torch.Tensor:
+    """Attention with explicit scores, for what SDPA cannot express (soft-cap, sinks).
+
+    Args:
+        q: Queries ``[B, Hq, T, D]``.
+        k: Keys ``[B, Hkv, S, D]``.
+        v: Values ``[B, Hkv, S, Dv]``.
+        allowed: Boolean ``[T, S]``: which keys each row attends.
+        scale: Softmax scale (``None``: ``D ** -0.5``).
+        dropout_p: Dropout on the attention weights.
+        variant: Soft-cap (applied to the scaled scores before masking) and sinks ``[Hq]``
+            (one extra logit per head in each row's softmax, with no value).
+
+    Returns:
+        ``[B, Hq, T, Dv]``. Scores ``[B, Hq, T, S]`` are materialized: callers tile rows.
+    """
+    if q.shape[1] != k.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if variant.softcap is not None:
+        scores = torch.tanh(scores / variant.softcap) * variant.softcap
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if variant.sinks is not None:
+        sink = variant.sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        scores = torch.cat((scores, sink), dim=-1)
+    # Softmax in at least fp32, like transformers' eager attention.
+    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype)
+    if variant.sinks is not None:
+        probs = probs[..., :-1]  # the sink takes its share of the denominator and adds no value
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, p=dropout_p)
+    return torch.matmul(probs, v)
 
 
 def _dense(
@@ -300,7 +360,14 @@ def _dense(
     dropout_p: float,
     variant: AttentionVariant = PLAIN,
 ) -> torch.Tensor:
-    """One masked SDPA call over all real rows; the ``[n_real, K]`` mask is explicit."""
+    """One masked SDPA call over all real rows; the ``[n_real, K]`` mask is explicit.
+
+    Soft-cap and sinks, which SDPA cannot express, use explicit scores over the same mask.
+    """
+    rows = q if meta.n_real == q.shape[2] else q[:, :, : meta.n_real]
+    if variant.softcap is not None or variant.sinks is not None:
+        allowed = _dense_mask(meta, torch.bool, q.device)
+        return _pad_rows(_explicit_attention(rows, k, v, allowed, scale, dropout_p, variant), meta.local_len)
     gqa = q.shape[1] != k.shape[1]
     if gqa and q.device.type != "cpu":
         # CUDA's memory-efficient kernel (the one that takes arbitrary masks) has no
@@ -317,7 +384,7 @@ def _dense(
             "dense CP attention with dropout on CPU uses the math SDPA kernel (materializes scores)",
         )
     out = TORCH_SDPA(
-        q if meta.n_real == q.shape[2] else q[:, :, : meta.n_real],
+        rows,
         k,
         v,
         attn_mask=_dense_mask(meta, q.dtype, q.device),
@@ -379,30 +446,47 @@ def _bottom_right_causal(
     top-left) does not fit. On CPU without dropout: :class:`_PrefixThenCausal`
     (no mask); elsewhere :func:`_masked_tiles`.
     """
-    if q.device.type == "cpu" and dropout_p == 0.0 and _CPU_FLASH is not None and _CPU_FLASH_BACKWARD is not None:
+    fused = _CPU_FLASH is not None and _CPU_FLASH_BACKWARD is not None
+    if q.device.type == "cpu" and dropout_p == 0.0 and fused and v.shape[3] == q.shape[3]:  # its flash op: Dv == D
         return _PrefixThenCausal.apply(q, k, v, scale)
-    return _masked_tiles(q, k, v, scale, dropout_p, gqa)
+    return _masked_tiles(q, k, v, scale, dropout_p, PLAIN, None)
 
 
 def _masked_tiles(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, dropout_p: float, gqa: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float | None,
+    dropout_p: float,
+    variant: AttentionVariant,
+    window: int | None,
 ) -> torch.Tensor:
-    """:func:`_bottom_right_causal` with explicit masks, in row tiles.
+    """Segments ``q [B, Hq, Q, D]`` whose rows are the last ``Q`` of ``k [B, Hkv, K, D]``, in row tiles with masks.
 
-    Each tile reads only the keys up to its last row; a tile of ``T`` rows
-    computes ``T^2 / 2`` masked pairs in vain. SDPA saves its mask for backward,
-    so when the segment's masks would add up to more than ``_MASK_BUDGET``
-    elements each tile is checkpointed (its mask and scores are rebuilt in
-    backward) and memory stays one tile's worth.
+    Row ``i`` sees keys ``(K - Q + i - window, K - Q + i]`` (``window=None``: from
+    key 0). Each tile reads only the keys its rows see; a tile of ``T`` rows
+    computes about ``T^2 / 2`` masked pairs in vain. Plain attention runs as
+    masked SDPA, soft-cap and sinks with explicit scores
+    (:func:`_explicit_attention`). SDPA saves its mask for backward, so when the
+    tiles' masks would add up to more than ``_MASK_BUDGET`` elements each tile is
+    checkpointed (its mask and scores are rebuilt in backward) and memory stays
+    one tile's worth.
     """
     q_len, k_len = q.shape[2], k.shape[2]
     prefix = k_len - q_len
-    rows = max(1, min(q_len, _TILE_ROWS, _MASK_BUDGET // k_len))
-    recompute = torch.is_grad_enabled() and q_len * k_len > _MASK_BUDGET
+    span = k_len if window is None else min(k_len, window - 1 + _TILE_ROWS)  # keys a tile reads, at most
+    rows = max(1, min(q_len, _TILE_ROWS, _MASK_BUDGET // span))
+    recompute = torch.is_grad_enabled() and q_len * span > _MASK_BUDGET
+    explicit = variant.softcap is not None or variant.sinks is not None
 
-    def tile(q_rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first_row: int) -> torch.Tensor:
-        last_key = prefix + first_row + torch.arange(q_rows.shape[2], device=q.device)  # last key each row sees
-        allowed = torch.arange(keys.shape[2], device=q.device)[None, :] <= last_key[:, None]
+    def tile(q_rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first_row: int, first_key: int) -> torch.Tensor:
+        last = prefix + first_row + torch.arange(q_rows.shape[2], device=q.device)  # last key each row sees
+        key_pos = first_key + torch.arange(keys.shape[2], device=q.device)
+        allowed = key_pos[None, :] <= last[:, None]
+        if window is not None:
+            allowed &= key_pos[None, :] > last[:, None] - window
+        if explicit:
+            return _explicit_attention(q_rows, keys, values, allowed, scale, dropout_p, variant)
         return TORCH_SDPA(
             q_rows,
             keys,
@@ -410,15 +494,16 @@ def _masked_tiles(
             attn_mask=_additive_mask(allowed, q.dtype),
             dropout_p=dropout_p,
             scale=scale,
-            enable_gqa=gqa,
+            enable_gqa=q.shape[1] != k.shape[1],
         )
 
     outs = []
     for a in range(0, q_len, rows):
         b = min(q_len, a + rows)
-        args = (q[:, :, a:b], k[:, :, : prefix + b], v[:, :, : prefix + b], a)
+        lo = 0 if window is None else max(0, prefix + a - window + 1)
+        args = (q[:, :, a:b], k[:, :, lo : prefix + b], v[:, :, lo : prefix + b], a, lo)
         outs.append(checkpoint(tile, *args, use_reentrant=False) if recompute else tile(*args))
-    return torch.cat(outs, dim=2)
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
 def _sdpa_varlen(
@@ -439,6 +524,7 @@ def _sdpa_varlen(
     once per shape, not per segment.
     """
     gqa = q.shape[1] != k.shape[1]
+    explicit = variant.softcap is not None or variant.sinks is not None
     # One split per tensor, not a slice per segment: autograd fills one zero gradient per slice.
     padding = q.shape[2] - meta.n_real
     qs = q.split([*meta.q_lens, padding], dim=2)
@@ -446,7 +532,11 @@ def _sdpa_varlen(
     outs: list[torch.Tensor | None] = [None] * len(meta.q_lens)
     for batch in meta.batches:
         qb, kb, vb = (_stacked(parts, batch.indices) for parts in (qs, ks, vs))
-        if batch.k_len == batch.q_len:
+        # A window at least as long as the segment's keys hides nothing: plain causal.
+        window = meta.window if meta.window is not None and meta.window < batch.k_len else None
+        if explicit or window is not None:
+            ob = _masked_tiles(qb, kb, vb, scale, dropout_p, variant, window)
+        elif batch.k_len == batch.q_len:
             ob = TORCH_SDPA(qb, kb, vb, is_causal=True, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
         else:
             ob = _bottom_right_causal(qb, kb, vb, scale, dropout_p, gqa)
@@ -645,8 +735,18 @@ def select_kernel(
     raise AssertionError("sdpa_varlen runs everywhere")  # pragma: no cover
 
 
-def validate_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool, local_len: int) -> None:
-    """Reject q/k/v that the CP path cannot attend correctly, naming the field and the fix."""
+def validate_qkv(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    enable_gqa: bool,
+    local_len: int,
+    variant: AttentionVariant = PLAIN,
+) -> None:
+    """Reject q/k/v (and sinks) that the CP path cannot attend correctly, naming the field and the fix.
+
+    The value head dim may differ from the query/key head dim (MLA models such as DeepSeek-V3).
+    """
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.dim() != 4:
             raise ValueError(f"block-diagonal attention: {name} must be [B, H, L, D], got shape {tuple(t.shape)}")
@@ -660,10 +760,10 @@ def validate_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, en
             f"block-diagonal attention: query/key/value are on different devices ({query.device}, "
             f"{key.device}, {value.device})"
         )
-    if not (query.shape[3] == key.shape[3] == value.shape[3]):
+    if query.shape[3] != key.shape[3]:
         raise ValueError(
-            f"block-diagonal attention: head dims differ (query {query.shape[3]}, key {key.shape[3]}, "
-            f"value {value.shape[3]})"
+            f"block-diagonal attention: query head dim {query.shape[3]} differs from key head dim {key.shape[3]}; "
+            "scores need equal query/key head dims (the value head dim may differ)"
         )
     if not (query.shape[0] == key.shape[0] == value.shape[0] == 1):
         raise ValueError(
@@ -681,6 +781,12 @@ def validate_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, en
         raise ValueError(
             f"block-diagonal attention: {query.shape[1]} query heads vs {key.shape[1]} key/value heads "
             "needs enable_gqa=True (or repeat K/V before the call)"
+        )
+    if variant.sinks is not None and (tuple(variant.sinks.shape) != (query.shape[1],) or variant.sinks.device != query.device):
+        raise ValueError(
+            f"block-diagonal attention: {variant.describe('s_aux (attention sinks)')} has shape "
+            f"{tuple(variant.sinks.shape)} on {variant.sinks.device}; expected one logit per query head, "
+            f"[{query.shape[1]}] on {query.device}"
         )
     if not (query.shape[2] == key.shape[2] == value.shape[2] == local_len):
         raise ValueError(

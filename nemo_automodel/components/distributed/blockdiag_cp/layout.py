@@ -149,9 +149,20 @@ def doc_runs_from_ids(doc_ids: torch.Tensor, field: str = "_packed_seq_ids") -> 
     return DocRuns(tuple(starts), tuple(ends), tuple(run_ids), total)
 
 
-def pair_count(start: int, stop: int) -> int:
-    """(query, key) pairs of document positions ``[start, stop)`` attending causally inside their document."""
-    return (stop * (stop + 1) - start * (start + 1)) // 2
+def pair_count(start: int, stop: int, window: int | None = None) -> int:
+    """(query, key) pairs of document positions ``[start, stop)`` attending causally inside their document.
+
+    With a sliding ``window`` the query at position ``i`` attends ``min(i + 1, window)`` keys.
+    """
+    if window is None or window >= stop:
+        return (stop * (stop + 1) - start * (start + 1)) // 2
+    ramp_stop = max(start, min(stop, window))  # positions below the window see all earlier keys
+    return pair_count(start, ramp_stop) + (stop - ramp_stop) * window
+
+
+def window_start(start: int, window: int | None) -> int:
+    """First key position a segment starting at document position ``start`` needs (its first row's window)."""
+    return 0 if window is None else max(0, start - window + 1)
 
 
 @dataclass(frozen=True)
@@ -193,7 +204,9 @@ class RankSegments:
     Local rows ``[0, n_real)`` are real and split into segments of lengths
     ``q_lens``; segment ``i`` attends ``k_lens[i] >= q_lens[i]`` keys, found at
     the physical ranges ``seg_kv[i]`` (in key order). Under the contiguous
-    layout only the first segment can have more keys than queries.
+    layout only the first segment can have more keys than queries. With a
+    sliding ``window`` a segment's keys start at its first row's window
+    (:func:`window_start`), so only keys some row can see are needed.
 
     Attributes:
         rank: CP rank.
@@ -203,6 +216,7 @@ class RankSegments:
         q_lens: Query rows per segment.
         k_lens: Keys per segment.
         seg_kv: Physical ``[start, end)`` key ranges of each segment.
+        window: The sliding window these segments attend with (``None``: full causal).
     """
 
     rank: int
@@ -212,6 +226,7 @@ class RankSegments:
     q_lens: tuple[int, ...]
     k_lens: tuple[int, ...]
     seg_kv: tuple[tuple[Range, ...], ...]
+    window: int | None = None
 
     @property
     def kv_ranges(self) -> tuple[Range, ...]:
@@ -269,7 +284,9 @@ class RankSegments:
 
     def work_of(self, members: Iterable[int]) -> int:
         """(query, key) pairs of the ``members`` segments."""
-        return sum(pair_count(self.k_lens[i] - self.q_lens[i], self.k_lens[i]) for i in members)
+        # Relative to a segment's first key the rows sit at [prefix, k_len): when the window moved the first
+        # key, every row sees exactly W keys, which is also what pair_count gives for prefix = W - 1.
+        return sum(pair_count(self.k_lens[i] - self.q_lens[i], self.k_lens[i], self.window) for i in members)
 
 
 @dataclass(frozen=True)
@@ -314,36 +331,50 @@ class ShardPlan:
                 row += p.length
         return {d: sorted(v) for d, v in where.items()}
 
-    def physical_ranges(self, doc: int, stop: int) -> tuple[Range, ...]:
-        """Physical ranges holding positions ``[0, stop)`` of ``doc``, in position order (touching merged)."""
+    def physical_ranges(self, doc: int, stop: int, first: int = 0) -> tuple[Range, ...]:
+        """Physical ranges holding positions ``[first, stop)`` of ``doc``, in position order (touching merged)."""
         out: list[Range] = []
         for start, end, phys in self._doc_locations[doc]:
             if start >= stop:
                 break
-            s, e = phys, phys + min(end, stop) - start
+            if end <= first:
+                continue
+            s, e = phys + max(0, first - start), phys + min(end, stop) - start
             if out and out[-1][1] == s:
                 out[-1] = (out[-1][0], e)
             else:
                 out.append((s, e))
         return tuple(out)
 
-    def segments(self, rank: int) -> RankSegments:
-        """Rank ``rank``'s :class:`RankSegments`."""
+    def segments(self, rank: int, window: int | None = None) -> RankSegments:
+        """Rank ``rank``'s :class:`RankSegments` for attention with sliding ``window`` (``None``: full causal)."""
         pieces = self.pieces[rank]
+        firsts = [window_start(p.start, window) for p in pieces]
         return RankSegments(
             rank=rank,
             row_offset=rank * self.local_len,
             local_len=self.local_len,
             n_real=sum(p.length for p in pieces),
             q_lens=tuple(p.length for p in pieces),
-            k_lens=tuple(p.stop for p in pieces),
-            seg_kv=tuple(self.physical_ranges(p.doc, p.stop) for p in pieces),
+            k_lens=tuple(p.stop - first for p, first in zip(pieces, firsts)),
+            seg_kv=tuple(self.physical_ranges(p.doc, p.stop, first) for p, first in zip(pieces, firsts)),
+            window=window,
         )
 
     @cached_property
     def all_segments(self) -> tuple[RankSegments, ...]:
-        """:meth:`segments` of every rank."""
-        return tuple(self.segments(r) for r in range(self.cp))
+        """:meth:`segments` of every rank (full causal attention)."""
+        return self.windowed_segments(None)
+
+    def windowed_segments(self, window: int | None) -> tuple[RankSegments, ...]:
+        """:meth:`segments` of every rank for ``window`` (memoized per window: plans ask once per step)."""
+        if window not in self._segments_by_window:
+            self._segments_by_window[window] = tuple(self.segments(r, window) for r in range(self.cp))
+        return self._segments_by_window[window]
+
+    @cached_property
+    def _segments_by_window(self) -> dict[int | None, tuple[RankSegments, ...]]:
+        return {}
 
     @cached_property
     def permutation(self) -> torch.Tensor:

@@ -33,7 +33,8 @@ from nemo_automodel.components.distributed.blockdiag_cp.consensus import CallRec
 from nemo_automodel.components.distributed.blockdiag_cp.exchange import ExchangeOp, KVPlan, Route
 from nemo_automodel.components.distributed.blockdiag_cp.kernels import AttentionGroup
 from nemo_automodel.components.distributed.blockdiag_cp.logs import log_once
-from nemo_automodel.components.distributed.blockdiag_cp.state import StepState
+from nemo_automodel.components.distributed.blockdiag_cp.state import StepState, WindowPlan
+from nemo_automodel.components.distributed.blockdiag_cp.variant import PLAIN, AttentionVariant
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +49,12 @@ def exchange_stats(state: StepState | None = None) -> dict[str, Any] | None:
         state: The step (default: the active step, else the most recently exited one).
 
     Returns:
-        ``{"path", "reason", "attn_backend", "kv_tokens_received", "kv_bytes_received"}`` (per call:
-        every layer of a step takes the same path), plus the step's time blocked on exchanges:
-        ``exchange_wait_s`` (forward), ``exchange_backward_wait_s`` and ``exchange_calls``.
+        ``{"path", "reason", "attn_backend", "kv_tokens_received", "kv_bytes_received"}`` of the
+        last call (every layer of one sliding window takes the same path); ``"windows"``: per
+        window (``None``: full causal) ``{"path", "kv_tokens_received", "kv_tokens_lower_bound"}``
+        (the lower bound: the needed keys held by other ranks, inside the window); plus the
+        step's time blocked on exchanges: ``exchange_wait_s`` (forward),
+        ``exchange_backward_wait_s`` and ``exchange_calls``.
     """
     state = state or state_module.last_step_state()
     if state is None or state.stats.path is None:
@@ -62,6 +66,10 @@ def exchange_stats(state: StepState | None = None) -> dict[str, Any] | None:
         "attn_backend": stats.attn_backend,
         "kv_tokens_received": stats.kv_tokens_received,
         "kv_bytes_received": stats.kv_bytes_received,
+        "windows": {
+            window: {"path": path, "kv_tokens_received": received, "kv_tokens_lower_bound": bound}
+            for window, (path, received, bound) in stats.windows.items()
+        },
         "exchange_wait_s": stats.exchange_wait_s,
         "exchange_backward_wait_s": stats.exchange_backward_wait_s,
         "exchange_calls": stats.exchange_calls,
@@ -143,6 +151,7 @@ def _select_kv_exchange_path(
     offset: int,
     query_dtype: torch.dtype | None = None,
     dropout_p: float = 0.0,
+    window: int | None = None,
 ) -> tuple[str, KVPlan | None, str]:
     """Decide this step's K/V path and say why (no communication: every input is replicated).
 
@@ -156,6 +165,7 @@ def _select_kv_exchange_path(
         query_dtype: Kept for the seed signature; whether the kernel can run is part of the
             step agreement check, which makes every rank raise together when it cannot.
         dropout_p: Kept for the seed signature (dropout never changes the path).
+        window: The calls' sliding window (``None``: full causal); each window has its own plan.
 
     Returns:
         ``(path, plan, reason)``: ``path`` is ``"halo"``, ``"a2a"`` or
@@ -172,13 +182,11 @@ def _select_kv_exchange_path(
         return "allgather", None, "cp_size=1: nothing to exchange"
     if kv_exchange == "allgather":
         return "allgather", None, "kv_exchange=allgather (configured)"
-    if state.varlen_meta is None:
-        return "allgather", None, "no varlen metadata in the step state"
     if _cp_group_spans_nodes(group):
         return "allgather", None, "CP group spans nodes (set NEMO_CP_ALLOW_XNODE=1 to force needed-only)"
-    plan = _kv_plan(state)
+    plan = _kv_plan(state, window, device)
     if kv_exchange == "auto":
-        path, reason = _auto_choice(state, plan, device)
+        path, reason = _auto_choice(state, plan, device, window)
         return path, None if path == "allgather" else plan, reason
     if kv_exchange == "a2a":
         return "a2a", plan, "kv_exchange=a2a (configured)"
@@ -187,56 +195,74 @@ def _select_kv_exchange_path(
     return "a2a", plan, "kv_exchange=halo upgraded to a2a: some rank needs keys from beyond its left neighbour"
 
 
-def _auto_choice(state: StepState, plan: KVPlan, device: torch.device) -> tuple[str, str]:
-    """``kv_exchange=auto``: the cost model's path for this step (same on every rank: replicated inputs)."""
-    if state.cache.auto_choice is None:
+def _auto_choice(state: StepState, plan: KVPlan, device: torch.device, window: int | None) -> tuple[str, str]:
+    """``kv_exchange=auto``: the cost model's path for this window (same on every rank: replicated inputs)."""
+    memo = _window_plan(state, window, device)
+    if memo.auto_choice is None:
         shape = state.cache.shape or cost.Shape()
         machine = cost.machine_for(device)
-        path, reason, _ = cost.choose(state.shard_plan, plan, shape, machine, state.options.overlap)
-        state.cache.auto_choice = (path, reason)
+        path, reason, _ = cost.choose(state.shard_plan, plan, shape, machine, state.options.overlap, window)
+        memo.auto_choice = (path, reason)
         # each path's first pick at INFO; mixed rows flip the pick per step, which would flood the log
         if not log_once(
             logger, f"auto-path:{path}", logging.INFO, "%s (first pick of %s; every pick at DEBUG)", reason, path
         ):
             logger.debug("%s", reason)
-    return state.cache.auto_choice
+    return memo.auto_choice
 
 
-def _kv_plan(state: StepState) -> KVPlan:
-    """The step's replicated exchange plan, computed once and reused by every layer and by recompute."""
-    if state.cache.kv_plan is None:
-        state.cache.kv_plan = exchange.compute_kv_plan(state.shard_plan)
-    return state.cache.kv_plan
+def _window_plan(state: StepState, window: int | None, device: torch.device) -> WindowPlan:
+    """This rank's plan for ``window``: built once per step from the replicated shard plan (no communication)."""
+    if window not in state.cache.windows:
+        state.cache.windows[window] = kernels.build_window_plan(state.shard_plan, state.cp_rank, window, device)
+    return state.cache.windows[window]
 
 
-def _route(state: StepState, device: torch.device) -> Route:
-    """The step's K/V route (path, plan, sends, where each group's keys are), built on the first call."""
-    if state.cache.route is None:
+def _kv_plan(state: StepState, window: int | None = None, device: torch.device | None = None) -> KVPlan:
+    """The replicated exchange plan of ``window``, computed once per step and reused by every layer and recompute."""
+    memo = _window_plan(state, window, device or state.positions.device)
+    if memo.kv_plan is None:
+        memo.kv_plan = exchange.compute_kv_plan(state.shard_plan, window)
+    return memo.kv_plan
+
+
+def _route(state: StepState, device: torch.device, window: int | None = None) -> Route:
+    """The K/V route of ``window``'s calls (path, plan, sends, where each group's keys are), built on first use."""
+    memo = _window_plan(state, window, device)
+    if memo.route is None:
         if state.cp_size > 1:  # before any knob decides anything: every rank takes part in the (one-time) gather
             topology.group_hosts(state.group)
         path, plan, reason = _select_kv_exchange_path(
-            state, state.group, state.doc_ids, state.local_len, device, state.row_offset
+            state, state.group, state.doc_ids, state.local_len, device, state.row_offset, window=window
         )
-        ranges = [group.kv_ranges for group in state.groups]
-        state.cache.route = exchange.make_route(
-            path, reason, plan, ranges, state.cp_rank, state.cp_size, state.local_len
-        )
-    return state.cache.route
+        if window is not None:
+            reason = f"{reason} (sliding_window={window}: keys inside the window only)"
+        ranges = [group.kv_ranges for group in memo.groups]
+        memo.route = exchange.make_route(path, reason, plan, ranges, state.cp_rank, state.cp_size, state.local_len)
+    return memo.route
 
 
 def _kernel_for(
-    state: StepState, query: torch.Tensor, dropout_p: float
+    state: StepState, query: torch.Tensor, dropout_p: float, variant: AttentionVariant
 ) -> tuple[str | None, kernels.KernelUnavailableError | None]:
     """The concrete kernel for this call, or why the requested one cannot run; memoized per step.
 
-    An explicit kernel that cannot run is never replaced: the error travels into the
-    step agreement (so every rank raises together) and is raised after it.
+    An explicit kernel that cannot run (also one that cannot express the call's
+    window, soft-cap or sinks) is never replaced: the error travels into the step
+    agreement (so every rank raises together) and is raised after it. A variant
+    first seen after the agreement raises on every rank as well: the variant
+    comes from the model, the same on every rank.
     """
-    key = (str(query.dtype), str(query.device), query.shape[3], dropout_p > 0)
+    key = (str(query.dtype), str(query.device), query.shape[3], dropout_p > 0, variant.key)
     if key not in state.cache.kernel:
         try:
             name = kernels.select_kernel(
-                state.options.attn_backend, query.dtype, query.device, head_dim=query.shape[3], dropout_p=dropout_p
+                state.options.attn_backend,
+                query.dtype,
+                query.device,
+                head_dim=query.shape[3],
+                dropout_p=dropout_p,
+                variant=variant,
             )
             state.cache.kernel[key] = (name, None)
         except kernels.KernelUnavailableError as exc:
@@ -245,7 +271,13 @@ def _kernel_for(
 
 
 def _agreement_fields(
-    state: StepState, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel: str, route: Route
+    state: StepState,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kernel: str,
+    route: Route,
+    variant: AttentionVariant = PLAIN,
 ) -> dict[str, Any]:
     """What every CP rank of a step must agree on: options, resolved kernel and path, lengths, layout, shapes."""
     plan = state.shard_plan
@@ -262,6 +294,7 @@ def _agreement_fields(
         "overlap": options.overlap,
         "consensus": options.consensus,
         "document layout": (plan.runs.starts, plan.runs.ends, plan.pieces),
+        "attention variant": tuple(variant.features()),
         "query/key/value shapes and dtype": (
             tuple(query.shape),
             tuple(key.shape),
@@ -272,7 +305,13 @@ def _agreement_fields(
 
 
 def _agree_on_step(
-    state: StepState, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel: str, route: Route
+    state: StepState,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kernel: str,
+    route: Route,
+    variant: AttentionVariant,
 ) -> None:
     """On the step's first call: every rank must run the same configuration on the same layout.
 
@@ -285,7 +324,7 @@ def _agree_on_step(
     """
     if state.cache.agreed or state.cp_size == 1:
         return
-    fields = _agreement_fields(state, query, key, value, kernel, route)
+    fields = _agreement_fields(state, query, key, value, kernel, route, variant)
     consensus.check_step_agreement(fields, state.group, query.device)
     state.cache.agreed = True
 
@@ -299,39 +338,41 @@ def _run_group(
     recorder: CallRecorder,
     scale: float | None,
     dropout_p: float,
+    variant: AttentionVariant,
 ) -> torch.Tensor:
     """Guarded kernel call on the group's rows ``query [1, Hq, n_rows, D]`` over its packed ``[1, Hkv, K, D]`` keys."""
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return kernels.blockdiag_attention(kernel, q, k, v, group.meta, scale, dropout_p)
+        return kernels.blockdiag_attention(kernel, q, k, v, group.meta, scale, dropout_p, variant)
 
     describe = f"kernel={kernel} {group.label}"
     return consensus.guarded(attend, recorder, describe, query, key, value)
 
 
-def _query_parts(state: StepState, query: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+def _query_parts(plan: WindowPlan, query: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Each group's query rows ``[1, Hq, n_g, D]`` and the padding rows, in group order.
 
     One ``split`` when every group's rows are contiguous (they then tile the
     real rows in order): autograd fills one zero gradient for it, not one per slice.
     """
-    padding = state.local_len - state.segments.n_real
-    if all(isinstance(group.rows, tuple) for group in state.groups):
-        sizes = [group.rows[1] - group.rows[0] for group in state.groups]
-        parts = query.split([*sizes, padding], dim=2)
+    n_real = plan.segments.n_real
+    if all(isinstance(group.rows, tuple) for group in plan.groups):
+        sizes = [group.rows[1] - group.rows[0] for group in plan.groups]
+        parts = query.split([*sizes, query.shape[2] - n_real], dim=2)
         return list(parts[:-1]), parts[-1]
-    return [group.take_rows(query) for group in state.groups], query[:, :, state.segments.n_real :]
+    return [group.take_rows(query) for group in plan.groups], query[:, :, n_real:]
 
 
 def _attend(
     state: StepState,
-    route: Route,
+    plan: WindowPlan,
     kernel: str,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     scale: float | None,
     dropout_p: float,
+    variant: AttentionVariant,
     recorder: CallRecorder,
 ) -> torch.Tensor:
     """Exchange K/V and attend every group; local-key groups run while the exchange is in flight.
@@ -339,6 +380,8 @@ def _attend(
     Returns:
         ``[1, Hq, L, Dv]`` in local row order; padding rows are zero.
     """
+    route = plan.route
+    assert route is not None, "the route is built before the first exchange"
     local = (key.split(route.local_cuts, dim=2), value.split(route.local_cuts, dim=2))
     op: ExchangeOp | None = None
     token = received = None
@@ -349,22 +392,22 @@ def _attend(
         if not state.options.overlap:
             received = exchange.wait(token, op)
     remote: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None
-    queries, padding = _query_parts(state, query)
+    queries, padding = _query_parts(plan, query)
     outputs = []
-    for group, q, runs in zip(state.groups, queries, route.sources):  # local group first: needs nothing received
+    for group, q, runs in zip(plan.groups, queries, route.sources):  # local group first: needs nothing received
         if not group.local and remote is None:
             received = received if received is not None else exchange.wait(token, op)
             remote = exchange.split_received(received, key, value, route.received_cuts)
         k = exchange.assemble(local[0], None if remote is None else remote[0], runs)
         v = exchange.assemble(local[1], None if remote is None else remote[1], runs)
-        outputs.append(_run_group(group, q, k, v, kernel, recorder, scale, dropout_p))
+        outputs.append(_run_group(group, q, k, v, kernel, recorder, scale, dropout_p, variant))
     if op is not None and received is None:
         received = exchange.wait(token, op)
     parts = [] if received is None else [exchange.anchor_like(query.shape[1], value.shape[3], received)]
     parts += [*outputs, kernels.zeros_attached(padding)] if padding.shape[2] else outputs
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
-    if state.merge_index is not None:
-        out = out.index_select(2, state.merge_index)
+    if plan.merge_index is not None:
+        out = out.index_select(2, plan.merge_index)
     if op is not None:
         state.stats.exchange_wait_s += op.wait_s
         state.stats.exchange_calls += 1
@@ -398,6 +441,8 @@ def cp_blockdiag_sdpa(
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
+    *,
+    variant: AttentionVariant | None = None,
     **kwargs: Any,
 ) -> torch.Tensor:
     """Block-diagonal context-parallel drop-in for ``scaled_dot_product_attention``.
@@ -406,31 +451,45 @@ def cp_blockdiag_sdpa(
     forwarded. Inside the context of
     :func:`~nemo_automodel.components.distributed.blockdiag_cp.batch.make_cp_blockdiag_batch_and_ctx`,
     K/V are exchanged over the CP group and each local query attends the keys
-    of its own document up to itself; ``attn_mask`` and ``is_causal`` are ignored.
+    of its own document up to itself (inside ``variant.window``, with its
+    soft-cap and sinks); ``attn_mask`` and ``is_causal`` are ignored.
 
     Args:
         query: Local queries ``[1, Hq, L, D]``.
         key: Local keys ``[1, Hkv, L, D]`` (``Hq % Hkv == 0``).
-        value: Local values ``[1, Hkv, L, D]``.
+        value: Local values ``[1, Hkv, L, Dv]`` (``Dv`` may differ from ``D``: MLA models).
         attn_mask: Ignored on the CP path.
         dropout_p: Attention dropout probability.
         is_causal: Ignored on the CP path (attention is always per-document causal).
         scale: Softmax scale (``None``: ``D ** -0.5``).
         enable_gqa: Must be True when ``Hq != Hkv`` (as for stock SDPA).
-        **kwargs: Forwarded to stock SDPA outside CP; ignored inside.
+        variant: Sliding window, logit soft-cap and attention sinks
+            (:class:`~nemo_automodel.components.distributed.blockdiag_cp.variant.AttentionVariant`;
+            ``None``: plain causal). Stock SDPA cannot express them, so outside a CP
+            step a non-plain variant raises.
+        **kwargs: Forwarded to stock SDPA outside CP; inside a CP step any of them is an error.
 
     Returns:
-        ``[1, Hq, L, D]``; padding rows are zero.
+        ``[1, Hq, L, Dv]``; padding rows are zero.
 
     Raises:
         RuntimeError: on every rank, when the step agreement fails, or (``consensus="call"``)
             when a kernel failed on any rank. With the default ``consensus="step"`` kernel
             failures are raised on every rank when the step's context exits (or by the
             recipe's step all-reduce).
-        ValueError: on every rank, when the requested kernel cannot run on some rank.
+        ValueError: on every rank, when the requested kernel cannot run (or cannot
+            express the variant) on some rank; before any collective, for bad inputs.
+        TypeError: for a keyword argument the CP path cannot honour.
     """
+    variant = variant or PLAIN
     state = state_module.current_step_state()
     if state is None:
+        if not variant.plain:
+            raise ValueError(
+                f"cp_blockdiag_sdpa outside a CP step: {', '.join(map(variant.describe, variant.features()))} "
+                "cannot be expressed by torch's scaled_dot_product_attention; call it inside the step context "
+                "of make_cp_blockdiag_batch_and_ctx, or use the model's own (eager) attention outside training"
+            )
         return _ORIGINAL_SDPA(
             query,
             key,
@@ -442,7 +501,12 @@ def cp_blockdiag_sdpa(
             enable_gqa=enable_gqa,
             **kwargs,
         )
-    kernels.validate_qkv(query, key, value, enable_gqa, state.local_len)
+    if kwargs:
+        raise TypeError(
+            f"cp_blockdiag_sdpa inside a CP step got keyword argument(s) it cannot honour: {', '.join(sorted(kwargs))}; "
+            "pass a sliding window, soft-cap or sinks as variant=AttentionVariant(...)"
+        )
+    kernels.validate_qkv(query, key, value, enable_gqa, state.local_len, variant)
     call = state.stats.calls
     state.stats.calls += 1
     if state.options.check_finite:  # device-side flags, read once per step: no host sync per layer
@@ -452,14 +516,14 @@ def cp_blockdiag_sdpa(
         state.cache.finite.append(torch.stack(sums).isfinite())
     if state.cache.shape is None:
         state.cache.shape = cost.Shape(query.shape[1], key.shape[1], query.shape[3], query.element_size())
-    kernel, unavailable = _kernel_for(state, query, dropout_p)
-    route = _route(state, query.device)
-    _agree_on_step(state, query, key, value, kernel or f"unavailable: {unavailable}", route)
+    kernel, unavailable = _kernel_for(state, query, dropout_p, variant)
+    route = _route(state, query.device, variant.window)
+    _agree_on_step(state, query, key, value, kernel or f"unavailable: {unavailable}", route, variant)
     if unavailable is not None:  # every rank agreed that it cannot run: all raise here, together
         raise unavailable
     log_once(
         logger,
-        "kv-path",
+        f"kv-path:{variant.window}",
         logging.INFO,
         "block-diagonal CP: KV exchange path=%s (%s); kernel=%s; cp_size=%d local_len=%d",
         route.path,
@@ -468,13 +532,23 @@ def cp_blockdiag_sdpa(
         state.cp_size,
         state.local_len,
     )
-    out = _attend(state, route, kernel, query, key, value, scale, dropout_p, CallRecorder(state.failures, call))
+    plan = state.cache.windows[variant.window]
+    recorder = CallRecorder(state.failures, call)
+    out = _attend(state, plan, kernel, query, key, value, scale, dropout_p, variant, recorder)
+    _record_stats(state, plan, route, kernel, key, value)
+    return out
+
+
+def _record_stats(
+    state: StepState, plan: WindowPlan, route: Route, kernel: str, key: torch.Tensor, value: torch.Tensor
+) -> None:
+    """What this call did, for :func:`exchange_stats` (host ints only)."""
     stats = state.stats
     stats.path, stats.reason, stats.attn_backend = route.path, route.reason, kernel
     stats.kv_tokens_received = route.received_tokens
     row_bytes = key.shape[1] * (key.shape[3] + value.shape[3]) * key.element_size()
     stats.kv_bytes_received = route.received_tokens * row_bytes
-    return out
+    stats.windows[plan.window] = (route.path, route.received_tokens, plan.segments.remote_kv_tokens)
 
 
 def nonfinite_attention_inputs(state: StepState | None = None) -> list[str]:

@@ -224,24 +224,54 @@ def cp_varlen_runtime_config() -> dict[str, Any]:
 
 
 @dataclass
+class WindowPlan:
+    """This rank's attention plan for one sliding window (``None``: full causal), shared by its layers.
+
+    Built from the replicated shard plan (no communication): the full-attention
+    plan at batch-build time, a windowed one at the step's first call with that
+    window. The exchange memo is filled on first use.
+
+    Attributes:
+        window: The sliding window ``W`` (``None``: full causal).
+        segments: This rank's local segments and the keys inside their window.
+        varlen_meta: Kernel metadata of all the segments over the ``L`` rows.
+        groups: The attention groups (local keys first, then remote keys).
+        merge_index: Row permutation restoring local order after concatenating the
+            groups' outputs and the padding rows (``None``: already in order).
+        kv_plan: The replicated needed-only exchange plan (set on the first call that needs it).
+        route: The K/V route (path, plan, reason, per-group key sources), set on the first call.
+        auto_choice: ``kv_exchange=auto``'s ``(path, reason)`` for this window.
+    """
+
+    window: int | None
+    segments: RankSegments
+    varlen_meta: VarlenMeta
+    groups: tuple[AttentionGroup, ...]
+    merge_index: torch.Tensor | None
+    kv_plan: KVPlan | None = None
+    route: Route | None = None
+    auto_choice: tuple[str, str] | None = None
+
+
+# (dtype, device, head_dim, dropout > 0, AttentionVariant.key)
+KernelKey = tuple[str, str, int, bool, tuple[Any, ...]]
+
+
+@dataclass
 class StepCache:
     """Values computed lazily during one step and reused by every layer and by recompute.
 
     Attributes:
-        kv_plan: The replicated needed-only exchange plan (set on the first call that needs it).
+        windows: Per sliding window (``None``: full causal), this rank's :class:`WindowPlan`.
         agreed: Whether the step-start agreement check passed.
-        kernel: ``(dtype, device, head_dim, dropout) -> `` the concrete kernel, or why the requested one cannot run.
-        route: The step's K/V route (path, plan, reason, per-group key sources), set on the first call.
-        auto_choice: ``kv_exchange=auto``'s ``(path, reason)`` for this step.
+        kernel: Per call signature, the concrete kernel, or why the requested one cannot run.
         shape: The attention shape of the first call (for the cost model).
         finite: Per CP call, a device bool ``[3]``: are q, k, v all finite (no host sync).
     """
 
-    kv_plan: KVPlan | None = None
+    windows: dict[int | None, WindowPlan] = field(default_factory=dict)
     agreed: bool = False
-    kernel: dict[tuple[str, str, int, bool], tuple[str | None, Exception | None]] = field(default_factory=dict)
-    route: Route | None = None
-    auto_choice: tuple[str, str] | None = None
+    kernel: dict[KernelKey, tuple[str | None, Exception | None]] = field(default_factory=dict)
     shape: Shape | None = None
     finite: list[torch.Tensor] = field(default_factory=list)
 
@@ -254,7 +284,10 @@ class StepStats:
         calls: CP attention calls (forward and activation-checkpoint recompute).
         path / reason: The K/V exchange path and why it was chosen.
         attn_backend: The concrete kernel the calls ran.
-        kv_tokens_received / kv_bytes_received: K/V one call received (the same for every layer).
+        kv_tokens_received / kv_bytes_received: K/V the last call received (the same for every
+            layer of one window).
+        windows: Per sliding window seen this step (``None``: full causal): ``(path, K/V tokens
+            received, lower bound)`` of one of its calls.
         exchange_wait_s / exchange_backward_wait_s: Seconds blocked on the exchange, forward / backward.
         exchange_calls: Exchanges posted.
     """
@@ -265,6 +298,7 @@ class StepStats:
     attn_backend: str | None = None
     kv_tokens_received: int = 0
     kv_bytes_received: int = 0
+    windows: dict[int | None, tuple[str, int, int]] = field(default_factory=dict)
     exchange_wait_s: float = 0.0
     exchange_backward_wait_s: float = 0.0
     exchange_calls: int = 0
@@ -345,16 +379,11 @@ class StepState:
             under the contiguous layout also its original position.
         local_len: Local rows per rank ``L = S_full / cp_size``.
         shard_plan: Where every document piece lives (identical on every rank).
-        segments: This rank's local segments and the keys they need.
-        varlen_meta: Kernel metadata of all this rank's segments over its ``L`` rows.
-        groups: This rank's attention groups (local keys first, then remote keys).
-        merge_index: Row permutation restoring local order after concatenating the
-            groups' outputs and the padding rows (``None``: already in order).
         packed_cu_seqlens: Boundaries of the physical row ``[n_runs + 1]`` (device).
         packed_cu_seqlens_cpu: The same boundaries on the host.
         positions: Original position of each local row ``[L]`` (device).
         options: The step's knobs (frozen).
-        cache: Per-step memo (agreement, kernel, route).
+        cache: Per-step memo (per-window plans and routes, agreement, kernel).
         stats: What the calls did (path, K/V received, time blocked on exchanges).
         failures: Kernel failures recorded on this rank, settled once per step.
     """
@@ -366,10 +395,6 @@ class StepState:
     row_offset: int
     local_len: int
     shard_plan: ShardPlan
-    segments: RankSegments
-    varlen_meta: VarlenMeta | None
-    groups: tuple[AttentionGroup, ...]
-    merge_index: torch.Tensor | None
     packed_cu_seqlens: torch.Tensor
     packed_cu_seqlens_cpu: torch.Tensor
     positions: torch.Tensor
