@@ -48,6 +48,7 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
 from nemo_automodel.components.distributed.blockdiag_cp import (
+    AttentionVariant,
     configure_cp_varlen,
     cp_blockdiag_sdpa,
     exchange,
@@ -84,6 +85,7 @@ class Workload:
     warmup: int = 1
     iters: int = 5
     kernels: tuple[str, ...] = ("sdpa_varlen",)
+    window: int | None = None  # sliding window of the attention calls (None: full causal)
 
 
 WORKLOADS = {
@@ -132,10 +134,13 @@ def upstream_dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
 class AttentionBlock(torch.nn.Module):
     """``x [1, L, Hq*D]`` -> q/k/v projections -> CP attention -> o projection -> ``[1, L, Hq*D]``."""
 
-    def __init__(self, heads: int, kv_heads: int, head_dim: int, upstream: bool = False) -> None:
+    def __init__(
+        self, heads: int, kv_heads: int, head_dim: int, upstream: bool = False, window: int | None = None
+    ) -> None:
         super().__init__()
         hidden = heads * head_dim
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.variant = AttentionVariant(window=window)
         self.attention = upstream_dense_attention if upstream else self._cp_attention
         self.q = torch.nn.Linear(hidden, hidden, bias=False)
         self.kv = torch.nn.Linear(hidden, 2 * kv_heads * head_dim, bias=False)
@@ -149,7 +154,7 @@ class AttentionBlock(torch.nn.Module):
         return self.o(out.transpose(1, 2).reshape(1, length, -1))
 
     def _cp_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return cp_blockdiag_sdpa(q, k, v, enable_gqa=self.heads != self.kv_heads)
+        return cp_blockdiag_sdpa(q, k, v, enable_gqa=self.heads != self.kv_heads, variant=self.variant)
 
 
 def _rss_mib() -> float:
@@ -200,7 +205,7 @@ def _exchange_alone(ctx: Any, work: Workload, local_len: int, path: str, reps: i
     samples = []
     with ctx() as st:
         plan = None if path == "allgather" else exchange.compute_kv_plan(st.shard_plan)
-        ranges = [group.kv_ranges for group in st.groups]
+        ranges = [group.kv_ranges for group in st.cache.windows[None].groups]
         route = exchange.make_route(path, "", plan, ranges, st.cp_rank, st.cp_size, local_len)
         k, v = (torch.randn(1, work.kv_heads, local_len, work.head_dim) for _ in range(2))
         for _ in range(reps):
@@ -272,7 +277,9 @@ def _worker(
     bare_rss = _rss_mib()
     torch.manual_seed(0)
     upstream = combo.backend == UPSTREAM[2]
-    block = AttentionBlock(work.heads, work.kv_heads, work.head_dim, upstream=upstream)
+    if upstream and work.window is not None:
+        raise ValueError("--window: the upstream baseline has no sliding window; leave upstream_dense out of --combos")
+    block = AttentionBlock(work.heads, work.kv_heads, work.head_dim, upstream=upstream, window=work.window)
     ids = _packed_ids(work)
     mesh = init_device_mesh("cpu", (work.cp,), mesh_dim_names=("cp",))
     batch = {"input_ids": torch.zeros_like(ids), "_packed_seq_ids": ids}
@@ -301,10 +308,12 @@ def _worker(
         row["exchange_s"] = _exchange_alone(ctx, work, shard.local_len, row["stats"]["path"])
     if efficiency and not upstream:
         with ctx() as st:
-            row.update(_predicted_s(block, work, st.segments))
+            row.update(_predicted_s(block, work, st.cache.windows[None].segments))
     # shard.layout is the resolved one (``auto`` picks contiguous or balanced per step)
     plan = make_shard_plan(doc_runs_from_lengths(list(work.doc_lens), shard.padded_seq_len), work.cp, shard.layout)
-    row.update(peak_rss_mib=_rss_mib(), lower_bound=plan.segments(rank).remote_kv_tokens, balance=plan.balance)
+    row.update(
+        peak_rss_mib=_rss_mib(), lower_bound=plan.segments(rank, work.window).remote_kv_tokens, balance=plan.balance
+    )
     results.put(row)
     dist.destroy_process_group()
 
@@ -446,11 +455,16 @@ def main() -> None:
         action="store_true",
         help="also predict each rank's time from this machine's GEMM and flash-SDPA rates (report predicted/measured)",
     )
+    parser.add_argument("--window", type=int, help="sliding window of every attention call (default: full causal)")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
     work = WORKLOADS[args.workload]
     if args.iters:
         work = replace(work, iters=args.iters)
+    if args.window is not None:
+        if args.window < 1:
+            parser.error(f"--window {args.window}: must be a positive number of keys")
+        work = replace(work, window=args.window)
     combos = (
         [Combo(*c.split(":")) for c in args.combos.split(",")] if args.combos else default_combos(work, args.workload)
     )
@@ -460,7 +474,8 @@ def main() -> None:
         print(f"done {combo.key}: {rows[-1]['median_s']:.3f}s", flush=True)
     print(
         f"\nworkload {args.workload}: S={work.seq_len} cp={work.cp} Hq={work.heads} Hkv={work.kv_heads} "
-        f"D={work.head_dim} docs={len(work.doc_lens)} threads/rank={args.threads} iters={work.iters}\n"
+        f"D={work.head_dim} docs={len(work.doc_lens)} threads/rank={args.threads} iters={work.iters} "
+        f"window={work.window or 'full'}\n"
     )
     print(_table(rows))
     print(f"\nbare worker RSS (after init_process_group, before any work): {rows[0]['bare_rss_mib']} MiB")

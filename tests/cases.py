@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from nemo_automodel.components.distributed.blockdiag_cp import (
+    AttentionVariant,
     configure_cp_varlen,
     cp_blockdiag_sdpa,
     exchange_stats,
@@ -107,24 +108,44 @@ class Case:
     overlap: bool = True
     device: str = "cpu"  # where q/k/v live (results come back as float64 on CPU)
     dtype: torch.dtype = torch.float64
+    # one attention call per window in the step (None: full causal), like a model mixing layer kinds;
+    # the checked output is sum_i (i + 1) * out_i
+    windows: tuple[int | None, ...] = (None,)
+    softcap: float | None = None
+    sinks: bool = False  # learned sink logits [Hq] (a gradient is checked, summed over ranks)
+    value_dim: int | None = None  # value head dim (None: head_dim); MLA models differ
 
     @property
     def label(self) -> str:
+        variant = "".join(
+            (
+                "" if self.windows == (None,) else f"/windows{list(self.windows)}",
+                "" if self.softcap is None else f"/softcap{self.softcap}",
+                "/sinks" if self.sinks else "",
+                "" if self.value_dim is None else f"/Dv{self.value_dim}",
+            )
+        )
         return (
             f"{self.layout}/{self.kv_exchange}/{self.backend}/Hq{self.heads[0]}-Hkv{self.heads[1]}"
-            f"{'' if self.overlap else '/no-overlap'}"
+            f"{'' if self.overlap else '/no-overlap'}{variant}"
         )
+
+    def variants(self, sinks: torch.Tensor | None) -> list[AttentionVariant]:
+        """The step's calls, one per window, sharing soft-cap and sinks."""
+        return [AttentionVariant(window=w, softcap=self.softcap, sinks=sinks) for w in self.windows]
 
 
 def full_inputs(case: Case, padded_len: int) -> dict[str, torch.Tensor]:
     """Deterministic full-row q/k/v and output gradient (float64) for ``case``, in original order."""
     gen = torch.Generator().manual_seed(case.seed)
     hq, hkv = case.heads
+    value_dim = case.value_dim or case.head_dim
     shapes = {
         "q": (1, hq, padded_len, case.head_dim),
         "k": (1, hkv, padded_len, case.head_dim),
-        "v": (1, hkv, padded_len, case.head_dim),
-        "gout": (1, hq, padded_len, case.head_dim),
+        "v": (1, hkv, padded_len, value_dim),
+        "gout": (1, hq, padded_len, value_dim),
+        "sinks": (hq,),
     }
     return {n: torch.randn(s, generator=gen, dtype=torch.float64) for n, s in shapes.items()}
 
@@ -154,12 +175,19 @@ def _attend_one(mesh: Any, case: Case) -> dict[str, Any]:
         configure_cp_varlen()
     full = full_inputs(case, shard.padded_seq_len)
     positions = shard.positions.cpu()
-    local = {n: full[n].index_select(2, positions).to(case.device, case.dtype) for n in full}
+    local = {n: full[n].index_select(2, positions).to(case.device, case.dtype) for n in ("q", "k", "v", "gout")}
     q, k, v = (local[n].requires_grad_() for n in ("q", "k", "v"))
+    sinks = full["sinks"].to(case.device, case.dtype).requires_grad_() if case.sinks else None
+    gqa = case.heads[0] != case.heads[1]
     with ctx():
-        out = cp_blockdiag_sdpa(q, k, v, scale=case.scale, enable_gqa=case.heads[0] != case.heads[1])
+        out = sum(
+            (i + 1) * cp_blockdiag_sdpa(q, k, v, scale=case.scale, enable_gqa=gqa, variant=variant)
+            for i, variant in enumerate(case.variants(sinks))
+        )
         (out * local["gout"]).sum().backward()
     results = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    if sinks is not None:
+        results["dsinks"] = sinks.grad
     return {
         **{n: t.to("cpu", torch.float64) for n, t in results.items()},
         "stats": exchange_stats(),
@@ -171,18 +199,27 @@ def _attend_one(mesh: Any, case: Case) -> dict[str, Any]:
 def reference_for(case: Case, padded_len: int) -> dict[str, torch.Tensor]:
     """Full-row float64 reference output and gradients for ``case``."""
     full = full_inputs(case, padded_len)
-    q, k, v = (full[n].clone().requires_grad_() for n in ("q", "k", "v"))
+    q, k, v, sinks = (full[n].clone().requires_grad_() for n in ("q", "k", "v", "sinks"))
     ids = torch.nn.functional.pad(case.doc_ids, (0, padded_len - case.doc_ids.shape[1]))
-    out = reference_attention(q, k, v, ids, scale=case.scale)
+    out = sum(
+        (i + 1) * reference_attention(q, k, v, ids, case.scale, w, case.softcap, sinks if case.sinks else None)
+        for i, w in enumerate(case.windows)
+    )
     (out * full["gout"]).sum().backward()
-    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    results = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    if case.sinks:
+        results["dsinks"] = sinks.grad
+    return results
 
 
-def expected_exchange(doc_ids: torch.Tensor, positions: list[list[int]], kv_exchange: str) -> tuple[str, list[int]]:
+def expected_exchange(
+    doc_ids: torch.Tensor, positions: list[list[int]], kv_exchange: str, window: int | None = None
+) -> tuple[str, list[int]]:
     """Brute-force path and per-rank received tokens, straight from the definitions in the metrics notes.
 
     ``positions[r]`` are the original positions of rank ``r``'s rows. A rank needs,
-    for every real local query, the keys of its document up to that query; the
+    for every real local query, the keys of its document up to that query (and,
+    with a sliding ``window``, no further back than ``window - 1`` keys); the
     lower bound counts those living on other ranks.
     """
     padded_len = sum(len(p) for p in positions)
@@ -193,7 +230,8 @@ def expected_exchange(doc_ids: torch.Tensor, positions: list[list[int]], kv_exch
         first.setdefault(d, pos)
     received, sources = [], []
     for r, rows in enumerate(positions):
-        needed = {k for p in rows if ids[p] for k in range(first[ids[p]], p + 1)}
+        reach = (lambda p: first[ids[p]]) if window is None else (lambda p: max(first[ids[p]], p - window + 1))
+        needed = {k for p in rows if ids[p] for k in range(reach(p), p + 1)}
         remote = {k for k in needed if owner[k] != r}
         received.append(len(remote))
         sources.append({owner[k] for k in remote})
@@ -210,19 +248,35 @@ def compare(case: Case, results: list[dict[str, Any]], cp: int, tol: float = 1e-
     positions = [r["positions"].tolist() for r in results]
     order = torch.tensor([p for rows in positions for p in rows])
     problems = []
-    for name in ("out", "dq", "dk", "dv"):
-        got = torch.cat([r[name] for r in results], dim=2)
-        err = (got - ref[name].index_select(2, order)).abs().max().item()
+    for name in ref:
+        got = torch.cat([r[name] for r in results], dim=2) if name != "dsinks" else sum(r[name] for r in results)
+        want = ref[name].index_select(2, order) if name != "dsinks" else ref[name]
+        err = (got - want).abs().max().item()
         if not err <= tol:
             problems.append(f"{case.label}: {name} max error {err:.3g}")
-    paths = {r["stats"]["path"] for r in results}
+    for window in case.windows:
+        problems += _exchange_problems(case, [r["stats"]["windows"][window] for r in results], positions, window)
+    return problems
+
+
+def _exchange_problems(
+    case: Case, stats: list[dict[str, Any]], positions: list[list[int]], window: int | None
+) -> list[str]:
+    """Path, K/V received and reported lower bound of ``window``'s calls against the brute-force expectation."""
+    label = f"{case.label} window={window}"
+    paths = {s["path"] for s in stats}
     requested = case.kv_exchange
     if requested == "auto":  # the cost model may pick any path that can deliver the keys; check that one
         requested = next(iter(paths)) if len(paths) == 1 else "a2a"
-    want_path, want_received = expected_exchange(case.doc_ids, positions, requested)
+    want_path, want_received = expected_exchange(case.doc_ids, positions, requested, window)
+    problems = []
     if paths != {want_path}:
-        problems.append(f"{case.label}: paths {paths}, expected {want_path}")
-    received = [r["stats"]["kv_tokens_received"] for r in results]
+        problems.append(f"{label}: paths {paths}, expected {want_path}")
+    received = [s["kv_tokens_received"] for s in stats]
     if received != want_received:
-        problems.append(f"{case.label}: received {received}, expected {want_received}")
+        problems.append(f"{label}: received {received}, expected {want_received}")
+    bound = expected_exchange(case.doc_ids, positions, "a2a", window)[1]
+    reported = [s["kv_tokens_lower_bound"] for s in stats]
+    if reported != bound:
+        problems.append(f"{label}: reported lower bound {reported}, expected {bound}")
     return problems

@@ -12,7 +12,9 @@ from nemo_automodel.components.distributed.blockdiag_cp import (
     cp1_packed_varlen_backend,
     disable_cp1_packed_varlen,
     enable_cp1_packed_varlen,
+    packed_varlen_sdpa,
 )
+from nemo_automodel.components.distributed.blockdiag_cp.variant import AttentionVariant
 from tests.reference import doc_ids_from_lengths, reference_attention
 
 STOCK_SDPA = F.scaled_dot_product_attention
@@ -88,8 +90,9 @@ def test_sdpa_is_stock_outside_hooked_forwards_even_after_an_exception(model):
     assert F.scaled_dot_product_attention is STOCK_SDPA
     model(*_inputs())
     assert F.scaled_dot_product_attention is STOCK_SDPA
-    with pytest.raises(ValueError, match="head dims differ"):
-        model(*_inputs()[:2], torch.ones(1, 2, 24, 3, dtype=torch.float64))
+    q, k, v = _inputs()
+    with pytest.raises(ValueError, match="differs from key head dim"):
+        model(q, k[..., :3], v)
     assert F.scaled_dot_product_attention is STOCK_SDPA
 
 
@@ -101,3 +104,31 @@ def test_calls_that_do_not_match_the_armed_row_pass_through(model):
     assert cp1_packed_varlen_backend() is None
     q, k, v = _inputs()
     torch.testing.assert_close(model(q, k, v), STOCK_SDPA(q, k, v, is_causal=True, enable_gqa=True))
+
+
+@pytest.mark.parametrize("backend", ["sdpa_varlen", "dense"])
+@pytest.mark.parametrize("spec", [{"window": 3}, {"window": 4, "softcap": 1.5, "sinks": True}, {"softcap": 3.0}])
+def test_armed_row_honours_attention_variants(backend, spec):
+    """``packed_varlen_sdpa(variant=...)``: windows, soft-cap and sinks on the armed row equal the reference."""
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float64, requires_grad=True)
+    variant = AttentionVariant(
+        window=spec.get("window"), softcap=spec.get("softcap"), sinks=sinks if spec.get("sinks") else None
+    )
+    inputs = [*_inputs(), sinks] if variant.sinks is not None else _inputs()
+    enable_cp1_packed_varlen(IDS, backend=backend)
+    try:
+        out, grads = _grads_of(
+            lambda q, k, v, *s: packed_varlen_sdpa(q, k, v, enable_gqa=True, variant=variant), inputs
+        )
+    finally:
+        disable_cp1_packed_varlen()
+    grads = [g.clone() for g in grads]
+    for x in inputs:
+        x.grad = None
+    ref, ref_grads = _grads_of(
+        lambda q, k, v, *s: reference_attention(q, k, v, IDS, None, variant.window, variant.softcap, variant.sinks),
+        inputs,
+    )
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=0, atol=1e-12)

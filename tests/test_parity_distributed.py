@@ -85,3 +85,29 @@ def test_random_layouts_match_reference(pools, drawn, kv_exchange, backend, head
     cp, ids = drawn
     case = Case(ids, backend, kv_exchange, heads, seed=int(ids.sum()), layout=shard_layout)
     _check(pools, cp, [case], fakes=backend in GPU_KERNELS)
+
+
+VARIANT_LAYOUTS = ("straddle", "spans_many", "tiny_docs", "pad_tail")
+
+
+def _variant_cases(cp: int) -> list[Case]:
+    """Windows (alone, mixed with full layers, shorter and longer than documents), soft-cap, sinks and Dv != D."""
+    variants = [
+        {"windows": (5,)},
+        {"windows": (None, 3, 12)},
+        {"windows": (4,), "softcap": 2.0},
+        {"windows": (None, 6), "sinks": True},
+        {"windows": (7,), "value_dim": 6},
+        {"softcap": 1.5, "sinks": True, "value_dim": 12},
+    ]
+    combos = itertools.product(VARIANT_LAYOUTS, ("contiguous", "balanced"), EXCHANGES, CPU_KERNELS)
+    return [
+        Case(layout(name, cp), backend, ex, (4, 2), seed=cp * 1000 + i, layout=shard_layout, **variants[i % 6])
+        for i, (name, shard_layout, ex, backend) in enumerate(combos)
+    ]
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_attention_variants_match_reference(pools, cp):
+    """Sliding windows, soft-cap, sinks and MLA value dims: exact, and needed-only receives the windowed bound."""
+    _check(pools, cp, _variant_cases(cp))

@@ -203,20 +203,6 @@ def test_halo_becomes_a2a_when_a_document_spans_three_ranks(pools):
     assert all("upgraded to a2a" in r[2] for r in results)
 
 
-def _missing_metadata_path():
-    ctx, shard = _step(layout("straddle", 2), kv_exchange="halo")
-    with ctx() as st:
-        st.varlen_meta = None
-        return runtime._select_kv_exchange_path(
-            st, st.group, st.doc_ids, shard.local_len, torch.device("cpu"), st.row_offset
-        )
-
-
-def test_missing_metadata_downgrades_to_allgather(pools):
-    for path, plan, reason in pools.get(2).run_ok(_missing_metadata_path):
-        assert (path, plan) == ("allgather", None) and "no varlen metadata" in reason
-
-
 def _counting_all_reduce_calls(layers):
     calls = []
     original = dist.all_reduce
@@ -232,11 +218,11 @@ def _counting_all_reduce_calls(layers):
         with ctx() as st:
             for _ in range(layers):
                 cp_blockdiag_sdpa(q, k, v, enable_gqa=True)
-            plans = {id(st.cache.kv_plan)}
+            plans = {id(st.cache.windows[None].kv_plan)}
             runtime._select_kv_exchange_path(
                 st, st.group, st.doc_ids, shard.local_len, q.device, st.row_offset, query_dtype=q.dtype
             )
-            plans.add(id(st.cache.kv_plan))
+            plans.add(id(st.cache.windows[None].kv_plan))
     finally:
         dist.all_reduce = original
     return len(calls), len(plans)

@@ -29,6 +29,7 @@ from nemo_automodel.components.datasets.loader import prepare_data
 from nemo_automodel.components.datasets.packing import pack_documents
 from nemo_automodel.components.datasets.tokenizer import ByteTokenizer, HFTokenizer
 from nemo_automodel.components.distributed.blockdiag_cp import (
+    AttentionVariant,
     CPOptions,
     attach_cp1_packed_varlen_hooks,
     configure_cp_varlen,
@@ -111,14 +112,21 @@ BATCH: dict[str, Callable[[], Any]] = {
 # ----------------------------------------------------------------------------- core: q/k/v in a step
 
 
-def _attend(q_shape: tuple, k_shape: tuple, v_shape: tuple | None = None, gqa: bool = True, **cast: Any) -> Any:
-    """``cp_blockdiag_sdpa`` inside a cp=1 step over an 8-token row (local length 8)."""
+def _attend(
+    q_shape: tuple,
+    k_shape: tuple,
+    v_shape: tuple | None = None,
+    gqa: bool = True,
+    call: dict[str, Any] | None = None,
+    **cast: Any,
+) -> Any:
+    """``cp_blockdiag_sdpa`` (with extra ``call`` arguments) inside a cp=1 step over an 8-token row (local length 8)."""
     q, k = torch.zeros(q_shape), torch.zeros(k_shape)
     v = torch.zeros(v_shape or k_shape)
     q, k, v = (t.to(**cast.get(n, {})) for n, t in (("q", q), ("k", k), ("v", v)))
     ctx, _, _ = _build(_row())
     with ctx():
-        return cp_blockdiag_sdpa(q, k, v, enable_gqa=gqa)
+        return cp_blockdiag_sdpa(q, k, v, enable_gqa=gqa, **(call or {}))
 
 
 QKV: dict[str, Callable[[], Any]] = {
@@ -131,6 +139,16 @@ QKV: dict[str, Callable[[], Any]] = {
     "qkv-heads-multiple": lambda: _attend((1, 3, 8, 8), (1, 2, 8, 8)),
     "qkv-gqa": lambda: _attend((1, 4, 8, 8), (1, 2, 8, 8), gqa=False),
     "qkv-length": lambda: _attend((1, 4, 6, 8), (1, 2, 6, 8)),
+    "variant-window": lambda: AttentionVariant(window=0, source="MistralForCausalLM layer 0"),
+    "variant-softcap": lambda: AttentionVariant(softcap=0.0),
+    "variant-sinks-type": lambda: AttentionVariant(sinks=torch.zeros(2, 2)),
+    "variant-sinks-heads": lambda: _attend(
+        (1, 4, 8, 8), (1, 2, 8, 8), call={"variant": AttentionVariant(sinks=torch.zeros(2))}
+    ),
+    "variant-kwargs-in-step": lambda: _attend((1, 4, 8, 8), (1, 2, 8, 8), call={"sliding_window": 4}),
+    "variant-outside-step": lambda: cp_blockdiag_sdpa(
+        torch.zeros(1, 2, 8, 8), torch.zeros(1, 2, 8, 8), torch.zeros(1, 2, 8, 8), variant=AttentionVariant(window=4)
+    ),
 }
 
 
@@ -145,12 +163,12 @@ def _attend_with(backend: str, head_dim: int = 8, dropout_p: float = 0.0) -> Any
         return cp_blockdiag_sdpa(q, k, k, dropout_p=dropout_p, enable_gqa=True)
 
 
-def _packed_with(backend: str) -> Any:
-    """The cp=1 packed path armed with an explicit kernel, on CPU."""
-    q, k = torch.zeros(1, 4, 8, 8), torch.zeros(1, 2, 8, 8)
+def _packed_with(backend: str = "auto", length: int = 8, **call: Any) -> Any:
+    """The cp=1 packed path armed (kernel ``backend``) for an 8-token row, called on ``length`` tokens, on CPU."""
+    q, k = torch.zeros(1, 4, length, 8), torch.zeros(1, 2, length, 8)
     enable_cp1_packed_varlen(doc_ids_from_lengths([3, 5], 8), backend=backend)
     try:
-        return packed_varlen_sdpa(q, k, k, enable_gqa=True)
+        return packed_varlen_sdpa(q, k, k, enable_gqa=True, **call)
     finally:
         disable_cp1_packed_varlen()
 
@@ -223,6 +241,8 @@ CORE: dict[str, Callable[[], Any]] = {
     "mesh-group-size": lambda: make_cp_blockdiag_batch_and_ctx(_MismatchedMesh(), None, _row()),
     "ranks-disagree": _disagreeing_rank,
     "cp1-no-attention-modules": lambda: attach_cp1_packed_varlen_hooks(torch.nn.Linear(2, 2)),
+    "cp1-packed-kwargs": lambda: _packed_with(sliding_window=4),
+    "cp1-packed-variant-passthrough": lambda: _packed_with(length=6, variant=AttentionVariant(softcap=30.0)),
     "plan-cp": lambda: _planner("--cp", "0", "--seq-len", "64", "--doc-lens", "8"),
     "plan-seq-len": lambda: _planner("--cp", "2", "--seq-len", "x", "--doc-lens", "8"),
     "plan-doc-lens": lambda: _planner("--cp", "2", "--seq-len", "64", "--doc-lens", "8,0"),

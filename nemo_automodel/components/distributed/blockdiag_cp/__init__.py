@@ -15,6 +15,7 @@ a row over ``cp`` ranks and keeps attention exactly block-diagonal:
 - :mod:`.consensus` collective agreement: failed-rank consensus, step agreement, guarded kernels.
 - :mod:`.cost`     the cost model behind ``kv_exchange=auto`` and ``layout=auto``.
 - :mod:`.plan`     the planner (library and ``python -m`` command line).
+- :mod:`.variant`  attention variants: sliding window, logit soft-cap, attention sinks.
 - :mod:`.logs`     the one log-once helper.
 """
 
@@ -42,8 +43,10 @@ from nemo_automodel.components.distributed.blockdiag_cp.state import (
     current_blockdiag_cp_state,
     reset_cp_attn_fire_count,
 )
+from nemo_automodel.components.distributed.blockdiag_cp.variant import AttentionVariant
 
 __all__ = [
+    "AttentionVariant",
     "BlockdiagCpModelState",
     "CPOptions",
     "ShardLayout",

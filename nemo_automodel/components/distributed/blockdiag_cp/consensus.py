@@ -176,7 +176,9 @@ class CallRecorder:
 
 
 class GuardedKernel(torch.autograd.Function):
-    """Run ``fn(q, k, v)``; an exception (forward or backward) is recorded instead of raised.
+    """Run ``fn(q, k, v, *extra)``; an exception (forward or backward) is recorded instead of raised.
+
+    ``extra`` are further differentiable inputs of the kernel (attention sinks).
 
     On failure the output (or the input gradients) are zeros of the right shape,
     so this rank keeps issuing the same collectives as its peers until the
@@ -193,9 +195,10 @@ class GuardedKernel(torch.autograd.Function):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        *extra: torch.Tensor,
     ) -> torch.Tensor:
         ctx.recorder, ctx.describe = recorder, describe
-        inputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in (q, k, v))
+        inputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in (q, k, v, *extra))
         with torch.enable_grad():
             out = _call(fn, recorder, describe, *inputs)
         ctx.inputs, ctx.out = inputs, out
@@ -206,7 +209,7 @@ class GuardedKernel(torch.autograd.Function):
         inputs, out = ctx.inputs, ctx.out
         ctx.inputs = ctx.out = None  # free the kernel's graph as soon as it is used
         wanted = [t for t in inputs if t.requires_grad]
-        grads: list[torch.Tensor | None] = [None] * 3
+        grads: list[torch.Tensor | None] = [None] * len(inputs)
         try:
             if out.requires_grad and wanted:
                 found = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True))
@@ -225,19 +228,24 @@ def _call(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    *extra: torch.Tensor,
 ) -> torch.Tensor:
-    """``fn(q, k, v)``; an exception or a missing/misshaped output is recorded and replaced by zeros like ``q``."""
+    """``fn(q, k, v, *extra)``; an exception or a missing/misshaped output is recorded and replaced by zeros.
+
+    The expected output is ``[B, Hq, L, Dv]``: the query's shape with the value head dim.
+    """
+    shape = (*q.shape[:-1], v.shape[-1])
     try:
-        out = fn(q, k, v)
+        out = fn(q, k, v, *extra)
     except _CONTROL_FLOW:
         raise
     except Exception as exc:  # settle first; every rank raises together
         recorder.fail("forward", f"{type(exc).__name__}: {exc} [{describe}]")
-        return q.new_zeros(q.shape)
-    if not isinstance(out, torch.Tensor) or out.shape != q.shape:
+        return q.new_zeros(shape)
+    if not isinstance(out, torch.Tensor) or out.shape != shape:
         got = "no output" if out is None else f"output {type(out).__name__} {getattr(out, 'shape', '')}"
-        recorder.fail("forward", f"kernel returned {got}, expected a tensor {tuple(q.shape)} [{describe}]")
-        return q.new_zeros(q.shape)
+        recorder.fail("forward", f"kernel returned {got}, expected a tensor {shape} [{describe}]")
+        return q.new_zeros(shape)
     return out
 
 
@@ -248,8 +256,9 @@ def guarded(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    *extra: torch.Tensor,
 ) -> torch.Tensor:
-    """``fn(q, k, v)`` with failures (an exception, or no output) recorded by ``recorder``.
+    """``fn(q, k, v, *extra)`` with failures (an exception, or no output) recorded by ``recorder``.
 
     The backward is guarded too (see :class:`GuardedKernel`) unless autograd is
     off or saved-tensor hooks are active (non-reentrant checkpointing); then the
@@ -257,6 +266,7 @@ def guarded(
     backward failure raises on its rank, and its peers fail at their next
     collective (the process-group timeout bounds the wait).
     """
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)) and not _saved_tensor_hooks_active():
-        return GuardedKernel.apply(fn, recorder, describe, q, k, v)
-    return _call(fn, recorder, describe, q, k, v)
+    inputs = (q, k, v, *extra)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs) and not _saved_tensor_hooks_active():
+        return GuardedKernel.apply(fn, recorder, describe, *inputs)
+    return _call(fn, recorder, describe, *inputs)

@@ -117,11 +117,23 @@ def _recv_and_messages(path: str, shard: ShardPlan, kv: KVPlan, rank: int) -> tu
     return recv, sent, kv.peers(rank) + sum(1 for dst in range(cp) if kv.recv_count(dst, rank))
 
 
-def predict(path: str, shard: ShardPlan, kv: KVPlan, shape: Shape, machine: Machine, overlap: bool = True) -> PathCost:
-    """Predict ``path``'s per-rank compute, exchange and exposed exchange time."""
+def predict(
+    path: str,
+    shard: ShardPlan,
+    kv: KVPlan,
+    shape: Shape,
+    machine: Machine,
+    overlap: bool = True,
+    window: int | None = None,
+) -> PathCost:
+    """Predict ``path``'s per-rank compute, exchange and exposed exchange time.
+
+    ``kv`` must be the plan of ``window`` (``None``: full causal); a window
+    shrinks both the needed keys and the (query, key) pairs scored.
+    """
     recv, msgs, compute, exchange, exposed = [], [], [], [], []
     per_pair = shape.heads * shape.head_dim * machine.seconds_per_pair_dim
-    for rank, seg in enumerate(shard.all_segments):
+    for rank, seg in enumerate(shard.windowed_segments(window)):
         tokens_in, tokens_out, messages = _recv_and_messages(path, shard, kv, rank)
         one_way = messages * machine.latency_s + max(tokens_in, tokens_out) * shape.kv_bytes_per_token / (
             machine.bytes_per_s
@@ -141,14 +153,19 @@ def candidate_paths(kv: KVPlan) -> tuple[str, ...]:
 
 
 def choose(
-    shard: ShardPlan, kv: KVPlan, shape: Shape, machine: Machine, overlap: bool = True
+    shard: ShardPlan,
+    kv: KVPlan,
+    shape: Shape,
+    machine: Machine,
+    overlap: bool = True,
+    window: int | None = None,
 ) -> tuple[str, str, list[PathCost]]:
-    """Pick the path with the lowest predicted step time.
+    """Pick the path with the lowest predicted step time for the calls of ``window``.
 
     Returns:
         ``(path, reason, costs)``; ties prefer needed-only paths (less memory).
     """
-    costs = [predict(p, shard, kv, shape, machine, overlap) for p in candidate_paths(kv)]
+    costs = [predict(p, shard, kv, shape, machine, overlap, window) for p in candidate_paths(kv)]
     preference = {"halo": 0, "a2a": 1, "allgather": 2}
     best = min(costs, key=lambda c: (round(c.step_s, 12), preference[c.path]))
     others = ", ".join(f"{c.path} {c.step_s * 1e3:.3g} ms" for c in costs if c is not best)
@@ -161,6 +178,8 @@ def choose_layout(runs: DocRuns, cp: int, shape: Shape, machine: Machine, overla
 
     Both candidate plans are pure functions of the replicated document ids, so
     every rank picks the same one. Ties keep ``contiguous`` (no permutation).
+    The layout is fixed before the model runs, so it is judged on full-causal
+    layers; sliding-window layers then pick their own exchange path.
     """
     best: tuple[float, ShardPlan] | None = None
     for layout in LAYOUTS:

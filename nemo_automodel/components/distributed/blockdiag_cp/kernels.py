@@ -36,8 +36,8 @@ from torch.utils.checkpoint import checkpoint
 
 from nemo_automodel.components.distributed.blockdiag_cp import gpu_kernels
 from nemo_automodel.components.distributed.blockdiag_cp.layout import RankSegments, ShardPlan
-from nemo_automodel.components.distributed.blockdiag_cp.state import WindowPlan
 from nemo_automodel.components.distributed.blockdiag_cp.logs import log_once
+from nemo_automodel.components.distributed.blockdiag_cp.state import WindowPlan
 from nemo_automodel.components.distributed.blockdiag_cp.variant import PLAIN, AttentionVariant
 
 logger = logging.getLogger(__name__)
@@ -271,7 +271,7 @@ def build_window_plan(plan: ShardPlan, rank: int, window: int | None, device: to
 
 
 def _pad_rows(out: torch.Tensor, local_len: int) -> torch.Tensor:
-    """Append zero rows to ``out [1, Hq, n_real, D]`` up to ``local_len``."""
+    """Append zero rows to ``out [1, Hq, n_real, Dv]`` up to ``local_len``."""
     missing = local_len - out.shape[2]
     if missing == 0:
         return out
@@ -438,7 +438,7 @@ class _PrefixThenCausal(torch.autograd.Function):
 
 
 def _bottom_right_causal(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, dropout_p: float, gqa: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, dropout_p: float
 ) -> torch.Tensor:
     """One segment whose ``q [1, Hq, Q, D]`` rows are the last ``Q`` of its ``k [1, Hkv, K, D]`` keys.
 
@@ -479,7 +479,9 @@ def _masked_tiles(
     recompute = torch.is_grad_enabled() and q_len * span > _MASK_BUDGET
     explicit = variant.softcap is not None or variant.sinks is not None
 
-    def tile(q_rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first_row: int, first_key: int) -> torch.Tensor:
+    def tile(
+        q_rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first_row: int, first_key: int
+    ) -> torch.Tensor:
         last = prefix + first_row + torch.arange(q_rows.shape[2], device=q.device)  # last key each row sees
         key_pos = first_key + torch.arange(keys.shape[2], device=q.device)
         allowed = key_pos[None, :] <= last[:, None]
@@ -539,11 +541,11 @@ def _sdpa_varlen(
         elif batch.k_len == batch.q_len:
             ob = TORCH_SDPA(qb, kb, vb, is_causal=True, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
         else:
-            ob = _bottom_right_causal(qb, kb, vb, scale, dropout_p, gqa)
+            ob = _bottom_right_causal(qb, kb, vb, scale, dropout_p)
         for j, i in enumerate(batch.indices):
             outs[i] = ob[j : j + 1] if len(batch.indices) > 1 else ob
     if padding:
-        outs.append(qs[-1].new_zeros(qs[-1].shape))
+        outs.append(qs[-1].new_zeros(*qs[-1].shape[:3], v.shape[3]))  # [1, Hq, padding, Dv]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
@@ -647,9 +649,9 @@ def kernel_unavailable_reason(
     """Why kernel ``name`` cannot run this call, or ``None``; launches nothing.
 
     Checks, in order: the attention variant (window, soft-cap, sinks) and the
-    kernel's head-dim and dropout limits (true on any machine), the device type and dtype, then the installation and the GPU
-    (package really imported once, version, compute capability). Each reason
-    says what to do about it.
+    kernel's head-dim and dropout limits (true on any machine), the device type
+    and dtype, then the installation and the GPU (package really imported once,
+    version, compute capability). Each reason says what to do about it.
 
     Args:
         name: Canonical kernel name.
@@ -782,7 +784,9 @@ def validate_qkv(
             f"block-diagonal attention: {query.shape[1]} query heads vs {key.shape[1]} key/value heads "
             "needs enable_gqa=True (or repeat K/V before the call)"
         )
-    if variant.sinks is not None and (tuple(variant.sinks.shape) != (query.shape[1],) or variant.sinks.device != query.device):
+    if variant.sinks is not None and (
+        tuple(variant.sinks.shape) != (query.shape[1],) or variant.sinks.device != query.device
+    ):
         raise ValueError(
             f"block-diagonal attention: {variant.describe('s_aux (attention sinks)')} has shape "
             f"{tuple(variant.sinks.shape)} on {variant.sinks.device}; expected one logit per query head, "
@@ -797,7 +801,8 @@ def validate_qkv(
 
 
 class _ZeroAttached(torch.autograd.Function):
-    """Zeros shaped like the first input whose graph still reaches every input (with zero gradients).
+    """Zeros ``[..., width]`` shaped like the first input but for the last dim, whose graph still reaches
+    every input (with zero gradients).
 
     Padding rows launch no kernel, but their output stays connected to the
     inputs so gradients are defined (zero) everywhere and, on an all-padding
@@ -806,18 +811,22 @@ class _ZeroAttached(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, like: torch.Tensor, *deps: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, like: torch.Tensor, width: int, *deps: torch.Tensor) -> torch.Tensor:
         ctx.shapes = [(x.shape, x.dtype, x.device) for x in (like, *deps)]
-        return torch.zeros_like(like)
+        return like.new_zeros(*like.shape[:-1], width)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.shapes)
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        zeros = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.shapes]
+        return zeros[0], None, *zeros[1:]
 
 
-def zeros_attached(like: torch.Tensor, *deps: torch.Tensor) -> torch.Tensor:
-    """Zeros shaped like ``like``, differentiable (with zero gradient) w.r.t. ``like`` and ``deps``."""
-    return _ZeroAttached.apply(like, *deps)
+def zeros_attached(like: torch.Tensor, *deps: torch.Tensor, width: int | None = None) -> torch.Tensor:
+    """Zeros shaped like ``like`` (last dim ``width``, default ``like``'s), with zero gradient to ``like`` and ``deps``.
+
+    ``width`` is the value head dim when it differs from the query's (MLA models).
+    """
+    return _ZeroAttached.apply(like, like.shape[-1] if width is None else width, *deps)
 
 
 def blockdiag_attention(
@@ -850,5 +859,5 @@ def blockdiag_attention(
         raise ValueError(f"internal error: metadata for window {meta.window} used for window {variant.window}")
     if meta.n_real == 0:
         deps = (k, v) if variant.sinks is None else (k, v, variant.sinks)
-        return zeros_attached(q, *deps)
+        return zeros_attached(q, *deps, width=v.shape[3])
     return KERNELS[kernel].fn(q, k, v, meta, scale, dropout_p, variant)

@@ -20,7 +20,7 @@ to torch's SDPA, so vision towers or unpacked attention are unaffected.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,17 +30,35 @@ from torch.utils.hooks import RemovableHandle
 from nemo_automodel.components.distributed.blockdiag_cp import kernels
 from nemo_automodel.components.distributed.blockdiag_cp import state as state_module
 from nemo_automodel.components.distributed.blockdiag_cp.kernels import VarlenMeta
-from nemo_automodel.components.distributed.blockdiag_cp.layout import doc_runs_from_ids, make_shard_plan
+from nemo_automodel.components.distributed.blockdiag_cp.layout import ShardPlan, doc_runs_from_ids, make_shard_plan
 from nemo_automodel.components.distributed.blockdiag_cp.state import ThreadSharedSlot
+from nemo_automodel.components.distributed.blockdiag_cp.variant import PLAIN, AttentionVariant
 
 
 @dataclass(frozen=True)
 class PackedState:
-    """The armed packed row: its length, kernel metadata and requested kernel."""
+    """The armed packed row: its length, document layout and requested kernel.
+
+    ``metas`` holds the kernel metadata per sliding window (``None``: full
+    causal), filled on the first call with each window.
+    """
 
     seq_len: int
-    meta: VarlenMeta
+    plan: ShardPlan
     backend: str
+    metas: dict[int | None, VarlenMeta] = field(default_factory=dict)
+
+    def meta(self, window: int | None) -> VarlenMeta:
+        """Kernel metadata of the row for ``window``, built once per armed row."""
+        if window not in self.metas:
+            segments = self.plan.segments(0, window)
+            self.metas[window] = kernels.precompute_blockdiag_varlen_meta(segments, self.device)
+        return self.metas[window]
+
+    @property
+    def device(self) -> torch.device:
+        """Where the row's metadata lives (the document ids' device)."""
+        return self.metas[None].cu_q.device
 
 
 _PACKED: ThreadSharedSlot[PackedState] = ThreadSharedSlot()
@@ -58,9 +76,9 @@ def enable_cp1_packed_varlen(doc_ids: torch.Tensor, backend: str | None = None) 
     requested = state_module.normalize_attn_backend(
         backend if backend is not None else state_module.cp_varlen_runtime_config()["attn_backend"]
     )
-    runs = doc_runs_from_ids(doc_ids)
-    meta = kernels.precompute_blockdiag_varlen_meta(make_shard_plan(runs, 1).segments(0), doc_ids.device)
-    _PACKED.set(PackedState(runs.total_len, meta, requested))
+    plan = make_shard_plan(doc_runs_from_ids(doc_ids), 1)
+    meta = kernels.precompute_blockdiag_varlen_meta(plan.segments(0), doc_ids.device)
+    _PACKED.set(PackedState(plan.runs.total_len, plan, requested, {None: meta}))
 
 
 def disable_cp1_packed_varlen() -> None:
@@ -87,6 +105,8 @@ def packed_varlen_sdpa(
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
+    *,
+    variant: AttentionVariant | None = None,
     **kwargs: Any,
 ) -> torch.Tensor:
     """SDPA replacement for packed rows at ``cp_size == 1``.
@@ -100,13 +120,26 @@ def packed_varlen_sdpa(
         is_causal: Ignored for the armed row (always per-document causal).
         scale: Softmax scale (``None``: ``D ** -0.5``).
         enable_gqa: As for stock SDPA.
-        **kwargs: Forwarded to stock SDPA on pass-through.
+        variant: Sliding window, soft-cap and sinks for the armed row (``None``:
+            plain). Stock SDPA cannot express them: a non-plain variant on a
+            pass-through call raises.
+        **kwargs: Forwarded to stock SDPA on pass-through; for the armed row any of them raises.
 
     Returns:
-        ``[1, Hq, S, D]``; padding rows are zero.
+        ``[1, Hq, S, Dv]``; padding rows are zero.
+
+    Raises:
+        ValueError: a non-plain ``variant`` on a call that is not the armed row.
+        TypeError: keyword arguments for the armed row (they cannot be honoured).
     """
+    variant = variant or PLAIN
     armed = _PACKED.get()
     if armed is None or not _matches(armed, query, key, value):
+        if not variant.plain:
+            raise ValueError(
+                f"packed_varlen_sdpa: {', '.join(map(variant.describe, variant.features()))} on a call that is "
+                "not the armed packed row (stock SDPA cannot express it); arm the row with enable_cp1_packed_varlen"
+            )
         return kernels.TORCH_SDPA(
             query,
             key,
@@ -118,13 +151,19 @@ def packed_varlen_sdpa(
             enable_gqa=enable_gqa,
             **kwargs,
         )
-    kernels.validate_qkv(query, key, value, enable_gqa, armed.seq_len)
+    if kwargs:
+        raise TypeError(
+            f"packed_varlen_sdpa on the armed packed row got keyword argument(s) it cannot honour: "
+            f"{', '.join(sorted(kwargs))}; pass a sliding window, soft-cap or sinks as variant=AttentionVariant(...)"
+        )
+    kernels.validate_qkv(query, key, value, enable_gqa, armed.seq_len, variant)
     kernel = kernels.select_kernel(
-        armed.backend, query.dtype, query.device, head_dim=query.shape[3], dropout_p=dropout_p
+        armed.backend, query.dtype, query.device, head_dim=query.shape[3], dropout_p=dropout_p, variant=variant
     )
-    kv_len = armed.meta.kv_len
+    meta = armed.meta(variant.window)
+    kv_len = meta.kv_len
     return kernels.blockdiag_attention(
-        kernel, query, key[:, :, :kv_len], value[:, :, :kv_len], armed.meta, scale, dropout_p
+        kernel, query, key[:, :, :kv_len], value[:, :, :kv_len], meta, scale, dropout_p, variant
     )
 
 

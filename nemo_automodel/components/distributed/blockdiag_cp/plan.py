@@ -5,7 +5,8 @@ the same shard plans, exchange plans and cost model the runtime uses (one cost
 model, not two). Command line::
 
     python -m nemo_automodel.components.distributed.blockdiag_cp.plan --cp 8 --seq-len 131072 \\
-        --doc-lens 30000,2000,1500 [--heads 32 --kv-heads 8 --head-dim 128 --dtype bf16 --device cuda]
+        --doc-lens 30000,2000,1500 [--heads 32 --kv-heads 8 --head-dim 128 --dtype bf16 --device cuda] \\
+        [--window 4096]
     python -m nemo_automodel.components.distributed.blockdiag_cp.plan --cp 8 --seq-len 131072 \\
         --data train.jsonl [--data-format text|chat|instruction] [--text-field text] \\
         [--tokenizer /local/hf_tokenizer_dir] [--rows 8]
@@ -18,7 +19,9 @@ packing algorithm and seed), so the plan describes the rows the recipe would tra
 Figures per layout and exchange (per CP rank, one attention layer, forward + backward):
 K/V tokens and bytes received (max and mean over ranks), the lower bound
 (needed keys living on other ranks), the balance (max/mean attention work) and
-the predicted step time relative to the best combination.
+the predicted step time relative to the best combination. ``--window W`` plans
+sliding-window layers (transformers' ``sliding_window``): a rank then needs, and
+the needed-only exchanges receive, only the keys within ``W`` of its rows.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from nemo_automodel.components.distributed.blockdiag_cp.exchange import compute_
 from nemo_automodel.components.distributed.blockdiag_cp.layout import (
     LAYOUTS,
     DocRuns,
+    balance,
     doc_runs_from_lengths,
     make_shard_plan,
 )
@@ -59,22 +63,29 @@ class PlanRow:
 
 
 def plan_rows(
-    runs: DocRuns, cp: int, shape: cost.Shape, machine: cost.Machine, layouts: Iterable[str] = LAYOUTS
+    runs: DocRuns,
+    cp: int,
+    shape: cost.Shape,
+    machine: cost.Machine,
+    layouts: Iterable[str] = LAYOUTS,
+    window: int | None = None,
 ) -> list[PlanRow]:
-    """Every layout x exchange for one row padded to a multiple of ``2 * cp``."""
+    """Every layout x exchange for one row padded to a multiple of ``2 * cp``, for layers of ``window``."""
     runs = runs.padded_to(runs.total_len + (-runs.total_len) % (2 * cp))
     rows = []
     for layout in layouts:
         shard = make_shard_plan(runs, cp, layout)
-        kv = compute_kv_plan(shard)
-        bounds = [seg.remote_kv_tokens for seg in shard.all_segments]
-        auto, _, costs = cost.choose(shard, kv, shape, machine)
+        kv = compute_kv_plan(shard, window)
+        segments = shard.windowed_segments(window)
+        bounds = [seg.remote_kv_tokens for seg in segments]
+        work_balance = balance([seg.attention_work for seg in segments])  # windows change the work, too
+        auto, _, costs = cost.choose(shard, kv, shape, machine, window=window)
         for c in costs:
             rows.append(
                 PlanRow(
                     layout=layout,
                     path=c.path,
-                    balance=shard.balance,
+                    balance=work_balance,
                     recv_max=max(c.recv_tokens),
                     recv_mean=statistics.fmean(c.recv_tokens),
                     bytes_max=max(c.recv_tokens) * shape.kv_bytes_per_token,
@@ -178,6 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--head-dim", type=_positive_int, default=128)
     parser.add_argument("--dtype", default="bf16", choices=sorted(_DTYPE_BYTES))
     parser.add_argument("--device", default="cuda", choices=sorted(cost.MACHINES))
+    parser.add_argument("--window", type=_positive_int, help="sliding window of the layers to plan (default: full)")
     args = parser.parse_args(argv)
     shape = cost.Shape(args.heads, args.kv_heads, args.head_dim, _DTYPE_BYTES[args.dtype])
     machine = cost.MACHINES[args.device]
@@ -192,10 +204,14 @@ def main(argv: list[str] | None = None) -> None:
             packed = _recipe_rows(args)
         except ValueError as exc:
             parser.error(str(exc))
-    tables = [plan_rows(doc_runs_from_lengths(row, args.seq_len), args.cp, shape, machine) for row in packed]
+    tables = [
+        plan_rows(doc_runs_from_lengths(row, args.seq_len), args.cp, shape, machine, window=args.window)
+        for row in packed
+    ]
     print(
         f"cp={args.cp} seq_len={args.seq_len} rows={len(tables)} docs/row={statistics.fmean(map(len, packed)):.1f} "
-        f"heads={args.heads}/{args.kv_heads} head_dim={args.head_dim} dtype={args.dtype} device={args.device}"
+        f"heads={args.heads}/{args.kv_heads} head_dim={args.head_dim} dtype={args.dtype} device={args.device} "
+        f"window={args.window or 'full'}"
     )
     print(format_table(_average(tables)))
 

@@ -17,6 +17,7 @@ No attention call issues a control collective or a host sync of its own
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -342,11 +343,14 @@ def _run_group(
 ) -> torch.Tensor:
     """Guarded kernel call on the group's rows ``query [1, Hq, n_rows, D]`` over its packed ``[1, Hkv, K, D]`` keys."""
 
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return kernels.blockdiag_attention(kernel, q, k, v, group.meta, scale, dropout_p, variant)
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *sinks: torch.Tensor) -> torch.Tensor:
+        # the guard hands in its own (detached) sinks: their gradient flows through it
+        call_variant = dataclasses.replace(variant, sinks=sinks[0]) if sinks else variant
+        return kernels.blockdiag_attention(kernel, q, k, v, group.meta, scale, dropout_p, call_variant)
 
     describe = f"kernel={kernel} {group.label}"
-    return consensus.guarded(attend, recorder, describe, query, key, value)
+    sinks = () if variant.sinks is None else (variant.sinks,)
+    return consensus.guarded(attend, recorder, describe, query, key, value, *sinks)
 
 
 def _query_parts(plan: WindowPlan, query: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -404,7 +408,11 @@ def _attend(
     if op is not None and received is None:
         received = exchange.wait(token, op)
     parts = [] if received is None else [exchange.anchor_like(query.shape[1], value.shape[3], received)]
-    parts += [*outputs, kernels.zeros_attached(padding)] if padding.shape[2] else outputs
+    if padding.shape[2] or not outputs:
+        # keeps sinks in the graph on a rank with no real rows: its (zero) gradient is defined on every rank
+        sinks = () if variant.sinks is None else (variant.sinks,)
+        outputs.append(kernels.zeros_attached(padding, *sinks, width=value.shape[3]))
+    parts += outputs
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
     if plan.merge_index is not None:
         out = out.index_select(2, plan.merge_index)
@@ -503,7 +511,8 @@ def cp_blockdiag_sdpa(
         )
     if kwargs:
         raise TypeError(
-            f"cp_blockdiag_sdpa inside a CP step got keyword argument(s) it cannot honour: {', '.join(sorted(kwargs))}; "
+            "cp_blockdiag_sdpa inside a CP step got keyword argument(s) it cannot honour: "
+            f"{', '.join(sorted(kwargs))}; "
             "pass a sliding window, soft-cap or sinks as variant=AttentionVariant(...)"
         )
     kernels.validate_qkv(query, key, value, enable_gqa, state.local_len, variant)

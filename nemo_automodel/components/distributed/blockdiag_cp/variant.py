@@ -45,7 +45,9 @@ class AttentionVariant:
         if self.window is not None and (
             isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1
         ):
-            raise ValueError(f"sliding_window={self.window!r}{where}: must be a positive int (or None for full attention)")
+            raise ValueError(
+                f"sliding_window={self.window!r}{where}: must be a positive int (or None for full attention)"
+            )
         if self.softcap is not None and (
             isinstance(self.softcap, bool)
             or not isinstance(self.softcap, (int, float))
