@@ -25,6 +25,7 @@ from nemo_automodel.components.distributed.blockdiag_cp import (
     state,
 )
 from nemo_automodel.components.distributed.blockdiag_cp.logs import reset_log_once
+from nemo_automodel.components.distributed.blockdiag_cp.variant import AttentionVariant
 from tests.cases import fake_kernels
 
 # ----------------------------------------------------------------------------- the real signatures
@@ -665,3 +666,58 @@ def test_every_kernel_is_configurable_on_any_machine(spelling, canonical):
     ctx, _, _ = make_cp_blockdiag_batch_and_ctx(None, None, batch, attn_backend=spelling)
     with ctx() as st:
         assert st.options.attn_backend == canonical
+
+
+# ----------------------------------------------------------------------------- attention variants: nothing is silent
+
+VARIANTS = {
+    "window": (AttentionVariant(window=4096, source="MistralForCausalLM layer 3"), "sliding_window=4096"),
+    "softcap": (AttentionVariant(softcap=50.0, source="Gemma2ForCausalLM layer 0"), "softcap=50.0"),
+    "sinks": (AttentionVariant(sinks=torch.zeros(4), source="GptOssForCausalLM layer 1"), "s_aux (attention sinks)"),
+}
+
+
+def _refused_features(kernel: str) -> set[str]:
+    """Feature kinds ``kernel`` refuses, from its registry entry (what selection really consults)."""
+    return {kind for kind, (variant, _) in VARIANTS.items() if kernels.KERNELS[kernel].variant_problem(variant)}
+
+
+@pytest.mark.parametrize("kernel", ["fa3", "flash", "te", "torch_varlen"])
+@pytest.mark.parametrize("kind", VARIANTS)
+def test_every_gpu_kernel_says_for_each_feature_whether_it_computes_it(kernel, kind):
+    """A GPU kernel either computes a feature or refuses it by name and source: never a silent plain call."""
+    variant, name = VARIANTS[kind]
+    spec = kernels.KERNELS[kernel]
+    assert spec.variant_problem is not None
+    problem = spec.variant_problem(variant)
+    if kind in gpu_kernels.VARIANT_GAPS[kernel]:
+        assert problem is not None
+        assert f"{name} ({variant.source}) is not supported by attn_backend={kernel}: " in problem
+        reason = kernels.kernel_unavailable_reason(kernel, torch.bfloat16, torch.device("cuda"), variant=variant)
+        assert reason == problem  # the variant is checked before the device: the reason names the feature
+        with pytest.raises(kernels.KernelUnavailableError, match=name.replace("(", r"\(").replace(")", r"\)")):
+            kernels.select_kernel(kernel, torch.bfloat16, torch.device("cuda"), variant=variant)
+    else:
+        assert problem is None
+
+
+@pytest.mark.parametrize("kernel", ["fa3", "flash", "te", "torch_varlen"])
+def test_a_direct_kernel_call_with_a_refused_feature_raises(kernel):
+    """Even called around selection, a kernel never computes plain attention for a feature it cannot express."""
+    for kind in gpu_kernels.VARIANT_GAPS[kernel]:
+        variant, _ = VARIANTS[kind]
+        meta = kernels.build_varlen_meta((5, 3), (9, 3), 10, "cpu", window=variant.window)
+        q = torch.randn(1, 4, 10, 8, dtype=torch.float64)
+        k = v = torch.randn(1, 2, 12, 8, dtype=torch.float64)
+        with fake_kernels(), pytest.raises(ValueError, match="is not supported by attn_backend"):
+            kernels.KERNELS[kernel].fn(q, k, v, meta, None, 0.0, variant)
+
+
+def test_the_first_refused_feature_is_named_with_its_source():
+    variant = AttentionVariant(window=8, softcap=30.0, source="Gemma2ForCausalLM layer 2")
+    problem = gpu_kernels.variant_problem("te", variant, {"softcap": "no soft-cap in TE"})
+    assert problem == (
+        "softcap=30.0 (Gemma2ForCausalLM layer 2) is not supported by attn_backend=te: no soft-cap in TE; "
+        "use attn_backend='auto' (it picks a kernel that computes it) or 'sdpa_varlen'"
+    )
+    assert gpu_kernels.variant_problem("te", variant, {}) is None

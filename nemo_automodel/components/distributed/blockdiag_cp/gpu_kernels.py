@@ -230,6 +230,83 @@ def te_backends(
 
 
 # ---------------------------------------------------------------------------
+# Attention variants each kernel can express (window, soft-cap, sinks)
+# ---------------------------------------------------------------------------
+
+# Per kernel and variant feature: why the kernel cannot compute it. A feature
+# absent here is passed to the library; every other one is refused by name,
+# because a varlen library that is not told about it silently computes plain
+# causal attention.
+_NOT_PASSED = "this kernel does not pass it to the library yet"
+VARIANT_GAPS: dict[str, dict[str, str]] = {
+    "flash": {"window": _NOT_PASSED, "softcap": _NOT_PASSED, "sinks": _NOT_PASSED},
+    "fa3": {"window": _NOT_PASSED, "softcap": _NOT_PASSED, "sinks": _NOT_PASSED},
+    "te": {"window": _NOT_PASSED, "softcap": _NOT_PASSED, "sinks": _NOT_PASSED},
+    "torch_varlen": {"window": _NOT_PASSED, "softcap": _NOT_PASSED, "sinks": _NOT_PASSED},
+}
+
+
+def variant_feature_kinds(variant: AttentionVariant) -> list[tuple[str, str]]:
+    """``(kind, user-facing name)`` of each feature of ``variant``; kinds are ``window``, ``softcap``, ``sinks``."""
+    kinds = [
+        kind
+        for kind, present in (
+            ("window", variant.window is not None),
+            ("softcap", variant.softcap is not None),
+            ("sinks", variant.sinks is not None),
+        )
+        if present
+    ]
+    names = variant.features()  # same order: window, softcap, sinks
+    assert len(names) == len(kinds), (names, kinds)
+    return list(zip(kinds, names))
+
+
+def variant_problem(kernel: str, variant: AttentionVariant, gaps: Mapping[str, str | None]) -> str | None:
+    """Why ``kernel`` cannot compute ``variant``: its first feature with a gap, named with its source.
+
+    Args:
+        kernel: The kernel's ``attn_backend`` name.
+        variant: The call's attention variant.
+        gaps: Per feature kind, why the kernel cannot compute it (``None`` or absent: it can).
+    """
+    for kind, name in variant_feature_kinds(variant):
+        why = gaps.get(kind)
+        if why is not None:
+            return (
+                f"{variant.describe(name)} is not supported by attn_backend={kernel}: {why}; use attn_backend='auto' "
+                "(it picks a kernel that computes it) or 'sdpa_varlen'"
+            )
+    return None
+
+
+def flash_variant_problem(variant: AttentionVariant) -> str | None:
+    """Which features of ``variant`` flash-attn 2 cannot compute (see :data:`VARIANT_GAPS`)."""
+    return variant_problem("flash", variant, VARIANT_GAPS["flash"])
+
+
+def fa3_variant_problem(variant: AttentionVariant) -> str | None:
+    """Which features of ``variant`` FlashAttention-3 cannot compute (see :data:`VARIANT_GAPS`)."""
+    return variant_problem("fa3", variant, VARIANT_GAPS["fa3"])
+
+
+def te_variant_problem(variant: AttentionVariant) -> str | None:
+    """Which features of ``variant`` TransformerEngine cannot compute (see :data:`VARIANT_GAPS`)."""
+    return variant_problem("te", variant, VARIANT_GAPS["te"])
+
+
+def torch_varlen_variant_problem(variant: AttentionVariant) -> str | None:
+    """Which features of ``variant`` torch's ``varlen_attn`` cannot compute (see :data:`VARIANT_GAPS`)."""
+    return variant_problem("torch_varlen", variant, VARIANT_GAPS["torch_varlen"])
+
+
+def _require_variant(problem: str | None) -> None:
+    """Selection already refused what a kernel cannot compute; a direct call still never drops a feature."""
+    if problem is not None:
+        raise ValueError(problem)
+
+
+# ---------------------------------------------------------------------------
 # Environment checks per kernel (import, version, device)
 # ---------------------------------------------------------------------------
 
@@ -465,6 +542,7 @@ def flash(
     variant: AttentionVariant = PLAIN,
 ) -> torch.Tensor:
     """flash-attn 2: ``flash_attn_varlen_func`` with ``causal=True`` (bottom-right), boundary-guarded."""
+    _require_variant(flash_variant_problem(variant))
     from flash_attn import flash_attn_func, flash_attn_varlen_func
 
     def fixed(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
@@ -512,6 +590,7 @@ def fa3(
     between releases (``seqused_q/k`` moved behind ``max_seqlen``). Releases up to
     2025-07 return ``(out, softmax_lse)``, 2.8.x return ``out``: both are accepted.
     """
+    _require_variant(fa3_variant_problem(variant))
     if dropout_p > 0:
         raise ValueError("fa3 has no dropout; attn_backend='fa3' needs dropout_p=0")
     from flash_attn_interface import flash_attn_func, flash_attn_varlen_func
@@ -558,6 +637,7 @@ def torch_varlen(
 
     The flash kernel behind it aligns causal masks bottom-right, as flash-attn 2 does.
     """
+    _require_variant(torch_varlen_variant_problem(variant))
     if dropout_p > 0:
         raise ValueError("torch_varlen has no dropout; attn_backend='torch_varlen' needs dropout_p=0")
     from torch.nn.attention.varlen import varlen_attn
@@ -617,6 +697,7 @@ def te(
     variant: AttentionVariant = PLAIN,
 ) -> torch.Tensor:
     """TransformerEngine THD attention, ``padding_causal_bottom_right``, ``attention_type="cross"``."""
+    _require_variant(te_variant_problem(variant))
     module = te_module(q.shape[1], k.shape[1], q.shape[3], scale, dropout_p, q.device)
     out = module(
         _to_thd(q[:, :, : meta.n_real]),
