@@ -6,7 +6,8 @@
 Sections (each kernel that cannot run here gets a ``skip: <reason>`` row, the reason from the registry):
 
 - ``parity``: forward + backward of ``kernels.blockdiag_attention`` for every kernel x bf16/fp16 against the
-  float64 reference (``tests/reference.py``) on segments with earlier keys (k > q, some long) and GQA;
+  float64 reference (``tests/reference.py``) on segments with earlier keys (k > q, some long) and GQA, and
+  with a sliding window (GQA) and a window + soft-cap (a kernel that cannot compute one says so in a skip row);
 - ``tflops``: forward + backward TFLOP/s of one packed row of 8K/32K/128K tokens (a long-tailed document mix,
   32/8 heads of 128, bf16), against the device's dense bf16 peak;
 - ``overhead``: our wrapper's time per forward call minus the bare library call's on the same tensors;
@@ -38,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project's te
 from cp_attention import _collect, _free_port, sft_mix
 
 from nemo_automodel.components.distributed.blockdiag_cp import gpu_kernels, kernels
+from nemo_automodel.components.distributed.blockdiag_cp.variant import AttentionVariant
 from tests.cases import Case, attend_cases, compare, layout
 from tests.reference import reference_attention
 
@@ -52,13 +54,22 @@ SECTIONS = ("parity", "tflops", "overhead", "exchange")
 
 @dataclass(frozen=True)
 class ParityCase:
-    """Segments ``(q_len, k_len)`` in units (64 tokens on a GPU, 4 on CPU), heads ``(Hq, Hkv)``, head dim."""
+    """Segments ``(q_len, k_len)`` in units (64 tokens on a GPU, 4 on CPU), heads ``(Hq, Hkv)``, head dim.
+
+    ``window`` (in units) and ``softcap`` make it an :class:`AttentionVariant` case; a kernel that
+    cannot compute the variant gets a ``skip:`` row naming the feature.
+    """
 
     name: str
     segments: tuple[tuple[int, int], ...]
     heads: tuple[int, int] = (8, 8)
     head_dim: int = 128
-    window: int | None = None  # a sliding window, for the model-families work (kernels take none yet)
+    window: int | None = None
+    softcap: float | None = None
+
+    def variant(self, unit: int) -> AttentionVariant:
+        window = None if self.window is None else self.window * unit
+        return AttentionVariant(window=window, softcap=self.softcap, source=f"gpu_check {self.name}")
 
 
 CASES = (
@@ -67,7 +78,10 @@ CASES = (
     ParityCase("straddle-gqa", ((5, 19), (8, 8), (3, 3), (2, 11)), heads=(8, 2)),
     # one long segment with 3x more keys than queries: the launch upstream's boundary guard avoids
     ParityCase("long-straddle-gqa", ((32, 128),), heads=(8, 2)),
-    # ParityCase("window", ((5, 19), (8, 8)), window=4),  # one line per window case, once kernels take one
+    # a sliding window narrower than the straddling segments' keys, GQA (Mistral/Gemma-2 local layers)
+    ParityCase("window-gqa", ((5, 19), (8, 8), (3, 3), (2, 11)), heads=(8, 2), window=4),
+    # a window and a soft-cap small enough to bend N(0, 1) scores (Gemma-2)
+    ParityCase("window-softcap", ((5, 19), (8, 8), (2, 11)), heads=(8, 2), window=3, softcap=1.5),
 )
 
 
@@ -102,12 +116,35 @@ class Problem:
     meta: kernels.VarlenMeta
     inputs: dict[str, torch.Tensor]
     reference: dict[str, torch.Tensor]
+    variant: AttentionVariant
+
+
+def _variant_segment(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: AttentionVariant, scale: float
+) -> torch.Tensor:
+    """One segment from the variant's definition: ``q [1, Hq, Lq, D]`` are the last rows of ``k/v [1, Hkv, Lk, D]``.
+
+    Row ``a`` is key position ``i = Lk - Lq + a`` and attends keys ``j`` with ``i - W < j <= i``;
+    scores are scaled, soft-capped, masked, softmaxed (float64 explicit softmax, as ``tests/reference.py``).
+    """
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    i = torch.arange(k.shape[2] - q.shape[2], k.shape[2], device=q.device)[:, None]
+    j = torch.arange(k.shape[2], device=q.device)[None, :]
+    allowed = j <= i
+    if variant.window is not None:
+        allowed &= i - j < variant.window
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if variant.softcap is not None:
+        scores = variant.softcap * torch.tanh(scores / variant.softcap)
+    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ v
 
 
 def _problem(case: ParityCase, unit: int, device: torch.device) -> Problem:
     q_lens = tuple(q * unit for q, _ in case.segments)
     k_lens = tuple(k * unit for _, k in case.segments)
-    meta = kernels.build_varlen_meta(q_lens, k_lens, sum(q_lens), device)
+    variant = case.variant(unit)
+    meta = kernels.build_varlen_meta(q_lens, k_lens, sum(q_lens), device, window=variant.window)
     gen = torch.Generator().manual_seed(0)
     hq, hkv = case.heads
     shapes = {"q": (hq, meta.n_real), "k": (hkv, meta.kv_len), "v": (hkv, meta.kv_len), "gout": (hq, meta.n_real)}
@@ -118,6 +155,10 @@ def _problem(case: ParityCase, unit: int, device: torch.device) -> Problem:
     q, k, v = (inputs[n].clone().requires_grad_() for n in ("q", "k", "v"))
     outs = []
     for q0, q_len, k0, k_len in meta.segments():
+        if not variant.plain:
+            segment = (q[:, :, q0 : q0 + q_len], k[:, :, k0 : k0 + k_len], v[:, :, k0 : k0 + k_len])
+            outs.append(_variant_segment(*segment, variant, case.head_dim**-0.5))
+            continue
         # a segment's rows are the last q_len rows of a document of k_len tokens: embed them in a full row
         rows = torch.cat((q.new_zeros(1, hq, k_len - q_len, case.head_dim), q[:, :, q0 : q0 + q_len]), dim=2)
         ones = torch.ones(1, k_len, dtype=torch.long, device=device)
@@ -125,12 +166,12 @@ def _problem(case: ParityCase, unit: int, device: torch.device) -> Problem:
         outs.append(full[:, :, k_len - q_len :])
     out = torch.cat(outs, dim=2)
     (out * inputs["gout"]).sum().backward()
-    return Problem(meta, inputs, {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad})
+    return Problem(meta, inputs, {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}, variant)
 
 
 def _relative_errors(problem: Problem, kernel: str, dtype: torch.dtype) -> dict[str, float]:
     q, k, v = (problem.inputs[n].to(dtype).requires_grad_() for n in ("q", "k", "v"))
-    out = kernels.blockdiag_attention(kernel, q, k, v, problem.meta, None, 0.0)
+    out = kernels.blockdiag_attention(kernel, q, k, v, problem.meta, None, 0.0, problem.variant)
     (out * problem.inputs["gout"].to(dtype)).sum().backward()
     got = {"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad}
     return {
@@ -143,14 +184,14 @@ def parity_rows(device: torch.device) -> list[Row]:
     unit = 64 if device.type == "cuda" else 4
     rows = []
     for case in CASES:
-        problem = _problem(case, unit, device) if case.window is None else None
+        problem = _problem(case, unit, device)
         for kernel in KERNELS:
             for dname, dtype in DTYPES.items():
                 row = Row("parity", kernel, dname, case.name, "")
-                reason = kernels.kernel_unavailable_reason(kernel, dtype, device, head_dim=case.head_dim)
-                if problem is None:
-                    rows.append(replace(row, result="skip: kernels take no window yet"))
-                elif reason is not None:
+                reason = kernels.kernel_unavailable_reason(
+                    kernel, dtype, device, head_dim=case.head_dim, variant=problem.variant
+                )
+                if reason is not None:
                     rows.append(replace(row, result=f"skip: {reason}"))
                 else:
                     errors = _relative_errors(problem, kernel, dtype)

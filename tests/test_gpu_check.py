@@ -21,9 +21,14 @@ def test_gpu_check_runs_on_cpu_and_skips_every_gpu_section():
         assert f"{section}: skip: no CUDA device" in lines
     rows = [line.split(" | ") for line in lines if line.startswith("| parity |")]
     cpu = {(r[1], r[2], r[3]): r[4] for r in rows if r[1] in ("sdpa_varlen", "dense")}
-    assert len(cpu) == 2 * 2 * 3 and set(cpu.values()) == {"ok"}  # 2 kernels x bf16/fp16 x 3 cases
+    assert len(cpu) == 2 * 2 * 5 and set(cpu.values()) == {"ok"}  # 2 kernels x bf16/fp16 x 5 cases
+    assert {case for _, _, case in cpu} >= {"window-gqa", "window-softcap"}
     gpu = [r for r in rows if r[1] in ("fa3", "flash", "te", "torch_varlen")]
-    assert len(gpu) == 4 * 2 * 3 and all(r[4].startswith("skip: ") and "needs device cuda" in r[4] for r in gpu)
+    assert len(gpu) == 4 * 2 * 5 and all(r[4].startswith("skip: ") for r in gpu)
+    # the variant is checked before the device: te and torch_varlen name the soft-cap they cannot compute
+    refused = {(r[1], r[3]) for r in gpu if "is not supported by attn_backend" in r[4]}
+    assert refused == {("te", "window-softcap"), ("torch_varlen", "window-softcap")}
+    assert all("needs device cuda" in r[4] for r in gpu if (r[1], r[3]) not in refused)
 
 
 def _probe() -> list[str]:

@@ -25,6 +25,7 @@ from nemo_automodel.components.distributed.blockdiag_cp import (
     state,
 )
 from nemo_automodel.components.distributed.blockdiag_cp.logs import reset_log_once
+from nemo_automodel.components.distributed.blockdiag_cp.variant import PLAIN, AttentionVariant
 from tests.cases import fake_kernels
 
 # ----------------------------------------------------------------------------- the real signatures
@@ -665,3 +666,157 @@ def test_every_kernel_is_configurable_on_any_machine(spelling, canonical):
     ctx, _, _ = make_cp_blockdiag_batch_and_ctx(None, None, batch, attn_backend=spelling)
     with ctx() as st:
         assert st.options.attn_backend == canonical
+
+
+# ----------------------------------------------------------------------------- attention variants: nothing is silent
+
+VARIANTS = {
+    "window": (AttentionVariant(window=4096, source="MistralForCausalLM layer 3"), "sliding_window=4096"),
+    "softcap": (AttentionVariant(softcap=50.0, source="Gemma2ForCausalLM layer 0"), "softcap=50.0"),
+    "sinks": (AttentionVariant(sinks=torch.zeros(4), source="GptOssForCausalLM layer 1"), "s_aux (attention sinks)"),
+}
+# What each kernel computes with the stand-ins' libraries (flash-attn 2.8.3, FA3 main, TE 2.20, torch 2.13).
+COMPUTES = {"flash": {"window", "softcap"}, "fa3": {"window", "softcap"}, "te": {"window"}, "torch_varlen": {"window"}}
+
+
+def _escaped(text: str) -> str:
+    return text.replace("(", r"\(").replace(")", r"\)")
+
+
+@pytest.mark.parametrize("kernel", ["fa3", "flash", "te", "torch_varlen"])
+@pytest.mark.parametrize("kind", VARIANTS)
+def test_every_gpu_kernel_computes_a_feature_or_refuses_it_by_name(kernel, kind):
+    """A GPU kernel either computes a feature or refuses it naming feature and source: never a silent plain call."""
+    variant, name = VARIANTS[kind]
+    with fake_kernels():
+        spec = kernels.KERNELS[kernel]
+        assert spec.variant_problem is not None
+        problem = spec.variant_problem(variant)
+        assert (problem is None) == (kind in COMPUTES[kernel])
+        if problem is not None:
+            assert f"{name} ({variant.source}) is not supported by attn_backend={kernel}: " in problem
+            reason = kernels.kernel_unavailable_reason(kernel, torch.bfloat16, torch.device("cuda"), variant=variant)
+            assert reason == problem  # the variant is checked first: the reason names the feature
+            with pytest.raises(kernels.KernelUnavailableError, match=_escaped(name)):
+                kernels.select_kernel(kernel, torch.bfloat16, torch.device("cuda"), variant=variant)
+
+
+@pytest.mark.parametrize("kernel", ["fa3", "flash", "te", "torch_varlen"])
+def test_a_direct_kernel_call_with_a_refused_feature_raises(kernel):
+    """Even called around selection, a kernel never computes plain attention for a feature it cannot express."""
+    for kind in set(VARIANTS) - COMPUTES[kernel]:
+        variant, name = VARIANTS[kind]
+        meta = kernels.build_varlen_meta((5, 3), (9, 3), 10, "cpu", window=variant.window)
+        q = torch.randn(1, 4, 10, 8, dtype=torch.float64)
+        k = v = torch.randn(1, 2, 12, 8, dtype=torch.float64)
+        with fake_kernels(), pytest.raises(ValueError, match=_escaped(name) + " .* is not supported"):
+            kernels.KERNELS[kernel].fn(q, k, v, meta, None, 0.0, variant)
+
+
+def test_the_first_refused_feature_is_named_with_its_source():
+    variant = AttentionVariant(window=8, softcap=30.0, source="Gemma2ForCausalLM layer 2")
+    problem = gpu_kernels.variant_problem("te", variant, {"softcap": "no soft-cap in TE"})
+    assert problem == (
+        "softcap=30.0 (Gemma2ForCausalLM layer 2) is not supported by attn_backend=te: no soft-cap in TE; "
+        "use attn_backend='auto' (it picks a kernel that computes it) or 'sdpa_varlen'"
+    )
+    assert gpu_kernels.variant_problem("te", variant, {}) is None
+
+
+@pytest.mark.parametrize(
+    ("gaps", "want"),
+    [
+        (lambda: gpu_kernels.flash_variant_gaps((2, 2, 5)), {"window", "softcap", "sinks"}),
+        (lambda: gpu_kernels.flash_variant_gaps((2, 3, 0)), {"softcap", "sinks"}),
+        (lambda: gpu_kernels.flash_variant_gaps((2, 5, 9)), {"softcap", "sinks"}),
+        (lambda: gpu_kernels.flash_variant_gaps((2, 6, 0)), {"sinks"}),
+        (lambda: gpu_kernels.fa3_variant_gaps(frozenset({"q", "causal"})), {"window", "softcap", "sinks"}),
+        (lambda: gpu_kernels.fa3_variant_gaps(frozenset({"window_size"})), {"softcap", "sinks"}),  # 2024-08..2025-01
+        (lambda: gpu_kernels.fa3_variant_gaps(frozenset({"window_size", "softcap"})), {"sinks"}),
+        (lambda: gpu_kernels.te_variant_gaps((1, 13)), {"window", "softcap", "sinks"}),
+        (lambda: gpu_kernels.te_variant_gaps((2, 0)), {"softcap", "sinks"}),
+        (lambda: gpu_kernels.torch_varlen_variant_gaps(frozenset()), {"window", "softcap", "sinks"}),
+        (lambda: gpu_kernels.torch_varlen_variant_gaps(frozenset({"window_size"})), {"softcap", "sinks"}),
+    ],
+)
+def test_features_need_the_release_that_added_them(gaps, want):
+    assert set(gaps()) == want
+
+
+def test_an_installed_flash_too_old_for_windows_refuses_them(tmp_path):
+    """flash-attn 2.2 runs plain causal attention but has no window_size: a window is refused, by name."""
+    variant, name = VARIANTS["window"]
+    with _installed(tmp_path, {"flash_attn/__init__.py": _GOOD_FLASH.format("2.2.5")}):
+        assert kernels.KERNELS["flash"].variant_problem(PLAIN) is None
+        problem = kernels.KERNELS["flash"].variant_problem(variant)
+    assert (
+        problem is not None
+        and f"{name} ({variant.source})" in problem
+        and "flash-attn 2.2.5 has no window_size" in problem
+    )
+
+
+def test_flash_refuses_softcap_with_dropout_like_flash_attn():
+    """flash_api.cpp: "Softcapping does not support dropout for now"; said before the call, naming the source."""
+    variant = AttentionVariant(softcap=30.0, source="Gemma2ForCausalLM layer 0")
+    meta, q, k, v = _group((5, 3), (9, 3))
+    with fake_kernels(), pytest.raises(ValueError, match=r"softcap=30.0 \(Gemma2ForCausalLM layer 0\) with dropout_p"):
+        kernels.blockdiag_attention("flash", q, k, v, meta, None, 0.1, variant)
+
+
+# ----------------------------------------------------------------------------- attention variants: computed exactly
+
+
+def _windowed_reference(q, k, v, meta, *, scale, window=None, softcap=None):
+    """``q [1, Hq, L, D]`` over packed ``k/v [1, Hkv, K, D]`` -> ``[1, Hq, L, D]``, float64, zero padding rows.
+
+    Written from the variant's definition, not from any library's parameters: the
+    ``q_len`` rows of a segment are the last of its ``k_len`` keys, so row ``a`` is
+    key position ``i = k_len - q_len + a``; it attends keys ``j`` with ``i - W < j <= i``.
+    Scores are scaled, soft-capped (``c * tanh(s / c)``), masked, then softmaxed.
+    """
+    rep = q.shape[1] // k.shape[1]
+    pieces = []
+    for q0, q_len, k0, k_len in meta.segments():
+        i = torch.arange(k_len - q_len, k_len)[:, None]
+        j = torch.arange(k_len)[None, :]
+        allowed = (j <= i) & ((i - j < window) if window is not None else True)
+        qs = q[0, :, q0 : q0 + q_len].double()
+        ks = k[0, :, k0 : k0 + k_len].double().repeat_interleave(rep, 0)
+        vs = v[0, :, k0 : k0 + k_len].double().repeat_interleave(rep, 0)
+        scores = qs @ ks.transpose(1, 2) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        pieces.append(torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ vs)
+    out = torch.cat(pieces, dim=1)  # [Hq, n_real, D]
+    return torch.nn.functional.pad(out, (0, 0, 0, meta.local_len - meta.n_real))[None]
+
+
+# Kernels x the features they compute: windows narrower than a segment, wider than some,
+# one key (W=1), and soft-caps alone and with a window.
+VARIANT_CASES = [
+    (kernel, window, softcap)
+    for kernel in ("flash", "fa3", "te", "torch_varlen")
+    for window, softcap in ((1, None), (3, None), (6, None), (50, None), (None, 2.0), (4, 1.5))
+    if softcap is None or "softcap" in COMPUTES[kernel]
+]
+
+
+@pytest.mark.parametrize(("kernel", "window", "softcap"), VARIANT_CASES)
+@pytest.mark.parametrize("heads", [(4, 2), (2, 2)])
+def test_gpu_kernels_compute_windows_and_softcaps_exactly(kernel, window, softcap, heads):
+    """Forward and every gradient against the definition, with straddling segments first and inside (GQA too)."""
+    q_lens, k_lens = (5, 4, 3, 6), (9, 4, 7, 6)  # straddling, square, straddling, square
+    meta = kernels.build_varlen_meta(q_lens, k_lens, sum(q_lens) + 2, "cpu", window=window)
+    gen = torch.Generator().manual_seed(1)
+    shapes = ((heads[0], meta.local_len), (heads[1], meta.kv_len), (heads[1], meta.kv_len))
+    q, k, v = (torch.randn(1, h, n, 8, generator=gen, dtype=torch.float64, requires_grad=True) for h, n in shapes)
+    variant = AttentionVariant(window=window, softcap=softcap, source="test layer")
+    with fake_kernels():
+        assert kernels.kernel_unavailable_reason(kernel, torch.float64, torch.device("cpu"), variant=variant) is None
+        got = kernels.blockdiag_attention(kernel, q, k, v, meta, 0.4, 0.0, variant)
+    want = _windowed_reference(q, k, v, meta, scale=0.4, window=window, softcap=softcap)
+    _assert_same(got, want, (q, k, v))
+    if window is not None and window < 9:  # the window really changed something (not a no-op)
+        plain = _windowed_reference(q, k, v, meta, scale=0.4, softcap=softcap)
+        assert not torch.allclose(want, plain)

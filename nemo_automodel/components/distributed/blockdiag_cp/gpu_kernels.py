@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import logging
 import os
 import re
@@ -227,6 +228,196 @@ def te_backends(
     if env.get("NVTE_UNFUSED_ATTN", "1") != "0" and te_version >= TE_UNFUSED_THD:
         backends.append("unfused")
     return tuple(backends)
+
+
+# ---------------------------------------------------------------------------
+# Attention variants each kernel can express (window, soft-cap, sinks)
+# ---------------------------------------------------------------------------
+# Each ``*_variant_gaps`` function returns, per feature kind (``window``,
+# ``softcap``, ``sinks``), why the kernel cannot compute it; a kind absent from
+# the result is passed to the library. Everything else is refused by name: a
+# varlen library that is not told about a feature silently computes plain
+# causal attention. The facts (docs/design.md, *Kernels*):
+# - every library's window is flash-attn's ``window_size=(left, right)``: row ``i``
+#   of a segment with ``sq`` queries and ``sk`` keys sees keys
+#   ``[i + sk - sq - left, i + sk - sq + right]``, so ``(W - 1, 0)`` is our window
+#   aligned bottom-right, also for a straddling segment (``sk > sq``);
+# - soft-capping is ``softcap * tanh(scale * s / softcap)`` in flash-attn 2 (>= 2.6) and FA3;
+# - no library here takes the model's sinks as an input (TE's are its own parameter).
+
+FLASH_WINDOW_MIN = (2, 3)  # flash_attn_varlen_func/flash_attn_func gained window_size in v2.3.0
+FLASH_SOFTCAP_MIN = (2, 6)  # ... and softcap (forward and backward) in v2.6.0
+TE_WINDOW_MIN = (2, 0)  # get_full_mask's per-sequence bottom-right window (TE #1281) and cuDNN SWA + THD (#1378)
+
+_NO_SINKS = "{library} takes no attention-sink logits (no s_aux input)"
+
+
+def variant_feature_kinds(variant: AttentionVariant) -> list[tuple[str, str]]:
+    """``(kind, user-facing name)`` of each feature of ``variant``; kinds are ``window``, ``softcap``, ``sinks``."""
+    kinds = [
+        kind
+        for kind, present in (
+            ("window", variant.window is not None),
+            ("softcap", variant.softcap is not None),
+            ("sinks", variant.sinks is not None),
+        )
+        if present
+    ]
+    names = variant.features()  # same order: window, softcap, sinks
+    assert len(names) == len(kinds), (names, kinds)
+    return list(zip(kinds, names))
+
+
+def variant_problem(kernel: str, variant: AttentionVariant, gaps: Mapping[str, str | None]) -> str | None:
+    """Why ``kernel`` cannot compute ``variant``: its first feature with a gap, named with its source.
+
+    Args:
+        kernel: The kernel's ``attn_backend`` name.
+        variant: The call's attention variant.
+        gaps: Per feature kind, why the kernel cannot compute it (``None`` or absent: it can).
+    """
+    for kind, name in variant_feature_kinds(variant):
+        why = gaps.get(kind)
+        if why is not None:
+            return (
+                f"{variant.describe(name)} is not supported by attn_backend={kernel}: {why}; use attn_backend='auto' "
+                "(it picks a kernel that computes it) or 'sdpa_varlen'"
+            )
+    return None
+
+
+def flash_variant_gaps(version: tuple[int, ...]) -> dict[str, str]:
+    """What flash-attn 2 ``version`` cannot compute: windows before 2.3, soft-caps before 2.6, sinks never."""
+    gaps = {"sinks": _NO_SINKS.format(library="flash-attn 2")}
+    if version < FLASH_WINDOW_MIN:
+        gaps["window"] = f"flash-attn {_dotted(version)} has no window_size (>= {_dotted(FLASH_WINDOW_MIN)})"
+    if version < FLASH_SOFTCAP_MIN:
+        gaps["softcap"] = f"flash-attn {_dotted(version)} has no softcap (>= {_dotted(FLASH_SOFTCAP_MIN)})"
+    return gaps
+
+
+def fa3_variant_gaps(parameters: frozenset[str]) -> dict[str, str]:
+    """What FA3 cannot compute, from the parameters its varlen and fixed functions both take.
+
+    FA3 has no version number; its interface gained ``window_size`` on 2024-08-29
+    and ``softcap`` on 2025-01-07 (hopper/flash_attn_interface.py), so an older
+    build is recognized by the missing parameter.
+    """
+    gaps = {"sinks": _NO_SINKS.format(library="FlashAttention-3's flash_attn_interface")}
+    for kind, parameter in (("window", "window_size"), ("softcap", "softcap")):
+        if parameter not in parameters:
+            gaps[kind] = f"this FlashAttention-3 build has no {parameter} parameter (rebuild from a newer hopper/)"
+    return gaps
+
+
+def te_variant_gaps(version: tuple[int, ...]) -> dict[str, str]:
+    """What TransformerEngine ``version`` cannot compute: no soft-cap, no sinks of ours, windows from 2.0."""
+    gaps = {
+        "softcap": "TransformerEngine's DotProductAttention has no logit soft-capping",
+        # softmax_type="learnable" keeps the sinks in the module's own softmax_offset
+        # parameter; the model's s_aux (and its gradient) would have to be routed
+        # through it, and only some TE backends/cuDNN versions implement it.
+        "sinks": "TransformerEngine keeps learnable sinks as its module's own softmax_offset parameter, "
+        "which this kernel does not route the model's s_aux through",
+    }
+    if version < TE_WINDOW_MIN:
+        gaps["window"] = (
+            f"TransformerEngine {_dotted(version)} predates per-sequence bottom-right sliding windows for THD "
+            f"(>= {_dotted(TE_WINDOW_MIN)})"
+        )
+    return gaps
+
+
+def torch_varlen_variant_gaps(parameters: frozenset[str]) -> dict[str, str]:
+    """What torch's ``varlen_attn`` cannot compute: it has ``window_size`` only (no soft-cap, no sinks)."""
+    gaps = {
+        "softcap": "torch's varlen_attn has no soft-cap parameter",
+        "sinks": _NO_SINKS.format(library="torch's varlen_attn"),
+    }
+    if "window_size" not in parameters:
+        gaps["window"] = f"torch {torch.__version__}'s varlen_attn has no window_size parameter"
+    return gaps
+
+
+def _parameters(*functions: Callable[..., Any]) -> frozenset[str]:
+    """Parameter names every one of ``functions`` takes (empty when one has no inspectable signature)."""
+    names: set[str] | None = None
+    for fn in functions:
+        try:
+            own = set(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):  # a compiled function without a signature: assume nothing
+            return frozenset()
+        names = own if names is None else names & own
+    return frozenset(names or ())
+
+
+def variant_gaps(kernel: str) -> dict[str, str]:
+    """Per feature kind, why GPU ``kernel`` cannot compute it with the installed library.
+
+    A library that cannot be imported has no gaps here: its environment check
+    refuses the kernel anyway, with the reason that matters.
+    """
+    if kernel == "flash":
+        probe = probe_import("flash_attn")
+        if probe.module is None:
+            return {"sinks": _NO_SINKS.format(library="flash-attn 2")}
+        return flash_variant_gaps(release(getattr(probe.module, "__version__", None)))
+    if kernel == "fa3":
+        probe = probe_import("flash_attn_interface")
+        functions = [getattr(probe.module, name, None) for name in ("flash_attn_func", "flash_attn_varlen_func")]
+        if probe.module is None or None in functions:
+            return {"sinks": _NO_SINKS.format(library="FlashAttention-3's flash_attn_interface")}
+        return fa3_variant_gaps(_parameters(*functions))
+    if kernel == "te":
+        probe = probe_import("transformer_engine")
+        version = release(getattr(probe.module, "__version__", None)) if probe.module is not None else TE_WINDOW_MIN
+        return te_variant_gaps(version)
+    if kernel == "torch_varlen":
+        probe = probe_import("torch.nn.attention.varlen")
+        varlen_attn = getattr(probe.module, "varlen_attn", None)
+        return torch_varlen_variant_gaps(_parameters(varlen_attn) if varlen_attn is not None else frozenset())
+    raise KeyError(f"{kernel!r} is not a GPU kernel")
+
+
+def flash_variant_problem(variant: AttentionVariant) -> str | None:
+    """Which feature of ``variant`` the installed flash-attn 2 cannot compute (:func:`flash_variant_gaps`)."""
+    return None if variant.plain else variant_problem("flash", variant, variant_gaps("flash"))
+
+
+def fa3_variant_problem(variant: AttentionVariant) -> str | None:
+    """Which feature of ``variant`` the installed FlashAttention-3 cannot compute (:func:`fa3_variant_gaps`)."""
+    return None if variant.plain else variant_problem("fa3", variant, variant_gaps("fa3"))
+
+
+def te_variant_problem(variant: AttentionVariant) -> str | None:
+    """Which feature of ``variant`` the installed TransformerEngine cannot compute (:func:`te_variant_gaps`)."""
+    return None if variant.plain else variant_problem("te", variant, variant_gaps("te"))
+
+
+def torch_varlen_variant_problem(variant: AttentionVariant) -> str | None:
+    """Which feature of ``variant`` torch's ``varlen_attn`` cannot compute (:func:`torch_varlen_variant_gaps`)."""
+    return None if variant.plain else variant_problem("torch_varlen", variant, variant_gaps("torch_varlen"))
+
+
+def _require_variant(problem: str | None) -> None:
+    """Selection already refused what a kernel cannot compute; a direct call still never drops a feature."""
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def flash_window(window: int | None) -> tuple[int, int]:
+    """Our window ``W`` (``W`` keys, the query's own included) as flash-attn's ``(left, right)``; ``None``: causal."""
+    return (-1, 0) if window is None else (window - 1, 0)
+
+
+def _variant_options(meta: VarlenMeta, variant: AttentionVariant) -> dict[str, Any]:
+    """Keyword arguments of flash-attn 2/FA3 calls for the variant; none for plain (older releases lack them)."""
+    options: dict[str, Any] = {}
+    if meta.window is not None:
+        options["window_size"] = flash_window(meta.window)
+    if variant.softcap is not None:
+        options["softcap"] = float(variant.softcap)
+    return options
 
 
 # ---------------------------------------------------------------------------
@@ -464,11 +655,26 @@ def flash(
     dropout_p: float,
     variant: AttentionVariant = PLAIN,
 ) -> torch.Tensor:
-    """flash-attn 2: ``flash_attn_varlen_func`` with ``causal=True`` (bottom-right), boundary-guarded."""
+    """flash-attn 2: ``flash_attn_varlen_func`` with ``causal=True`` (bottom-right), boundary-guarded.
+
+    A window goes in as ``window_size=(W - 1, 0)`` and a soft-cap as ``softcap=c``
+    (see :func:`flash_window`); plain calls pass neither, as flash-attn 2.1/2.2 have no such parameters.
+    """
+    _require_variant(flash_variant_problem(variant))
+    if variant.softcap is not None and dropout_p > 0:
+        # flash_api.cpp: TORCH_CHECK(p_dropout == 0.f, "Softcapping does not support dropout for now")
+        raise ValueError(
+            f"{variant.describe(f'softcap={variant.softcap}')} with dropout_p={dropout_p}: flash-attn's "
+            "soft-capping has no dropout; use dropout_p=0 or attn_backend='sdpa_varlen'"
+        )
     from flash_attn import flash_attn_func, flash_attn_varlen_func
 
+    options = _variant_options(meta, variant)
+
     def fixed(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
-        out = flash_attn_func(qs[None], ks[None], vs[None], dropout_p=dropout_p, softmax_scale=scale, causal=True)
+        out = flash_attn_func(
+            qs[None], ks[None], vs[None], dropout_p=dropout_p, softmax_scale=scale, causal=True, **options
+        )
         return out[0]
 
     def varlen(
@@ -491,6 +697,7 @@ def flash(
             dropout_p=dropout_p,
             softmax_scale=scale,
             causal=True,
+            **options,
         )
 
     out = _boundary_guarded(_to_thd(q[:, :, : meta.n_real]), _to_thd(k), _to_thd(v), meta, fixed, varlen)
@@ -511,13 +718,17 @@ def fa3(
     Only keyword arguments after ``cu_seqlens``: FA3's positional order changed
     between releases (``seqused_q/k`` moved behind ``max_seqlen``). Releases up to
     2025-07 return ``(out, softmax_lse)``, 2.8.x return ``out``: both are accepted.
+    Windows and soft-caps are passed as for ``flash`` (FA3's mask.h uses the same bounds).
     """
+    _require_variant(fa3_variant_problem(variant))
     if dropout_p > 0:
         raise ValueError("fa3 has no dropout; attn_backend='fa3' needs dropout_p=0")
     from flash_attn_interface import flash_attn_func, flash_attn_varlen_func
 
+    options = _variant_options(meta, variant)
+
     def fixed(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
-        return _first(flash_attn_func(qs[None], ks[None], vs[None], softmax_scale=scale, causal=True))[0]
+        return _first(flash_attn_func(qs[None], ks[None], vs[None], softmax_scale=scale, causal=True, **options))[0]
 
     def varlen(
         qs: torch.Tensor,
@@ -538,6 +749,7 @@ def fa3(
             max_seqlen_k=max_k,
             softmax_scale=scale,
             causal=True,
+            **options,
         )
         return _first(result)
 
@@ -556,8 +768,11 @@ def torch_varlen(
 ) -> torch.Tensor:
     """torch's ``varlen_attn``; causal is ``window_size=(-1, 0)`` (it sets ``is_causal = window_size == (-1, 0)``).
 
-    The flash kernel behind it aligns causal masks bottom-right, as flash-attn 2 does.
+    The flash kernel behind it aligns causal masks bottom-right, as flash-attn 2 does. A
+    window ``W`` is ``window_size=(W - 1, 0)``: ``is_causal`` is then false, and the bundled
+    flash-attn's local mask (right bound 0) is the same bottom-right causal window.
     """
+    _require_variant(torch_varlen_variant_problem(variant))
     if dropout_p > 0:
         raise ValueError("torch_varlen has no dropout; attn_backend='torch_varlen' needs dropout_p=0")
     from torch.nn.attention.varlen import varlen_attn
@@ -571,7 +786,7 @@ def torch_varlen(
         meta.max_q,
         meta.max_k,
         scale=scale,
-        window_size=(-1, 0),  # a tuple: varlen_attn compares it with (-1, 0)
+        window_size=flash_window(meta.window),  # a tuple: varlen_attn compares it with (-1, 0)
         enable_gqa=q.shape[1] != k.shape[1],
     )
     return _from_thd(out, q.shape[1], meta.local_len)
@@ -581,10 +796,16 @@ _TE_MODULES: dict[tuple[Any, ...], torch.nn.Module] = {}
 
 
 def te_module(
-    num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None, dropout_p: float, device: torch.device
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    scale: float | None,
+    dropout_p: float,
+    device: torch.device,
+    window: int | None = None,
 ) -> torch.nn.Module:
-    """A cached TransformerEngine ``DotProductAttention`` for our THD calls."""
-    key = (num_heads, num_kv_heads, head_dim, scale, dropout_p, str(device))
+    """A cached TransformerEngine ``DotProductAttention`` for our THD calls (``window``: sliding window ``W``)."""
+    key = (num_heads, num_kv_heads, head_dim, scale, dropout_p, str(device), window)
     module = _TE_MODULES.get(key)
     if module is None:
         from transformer_engine.pytorch import DotProductAttention
@@ -602,6 +823,9 @@ def te_module(
             # broadcast error when max_k > max_q. "cross" masks keys with cu_seqlens_kv.
             attention_type="cross",
             softmax_scale=scale,
+            # only for a window: TE then aligns it bottom-right per sequence (get_full_mask,
+            # padding_causal_bottom_right: [i + skv - sq - left, i + skv - sq]); None is plain causal
+            **({} if window is None else {"window_size": flash_window(window)}),
         ).to(device)
         _TE_MODULES[key] = module
     return module
@@ -616,8 +840,12 @@ def te(
     dropout_p: float,
     variant: AttentionVariant = PLAIN,
 ) -> torch.Tensor:
-    """TransformerEngine THD attention, ``padding_causal_bottom_right``, ``attention_type="cross"``."""
-    module = te_module(q.shape[1], k.shape[1], q.shape[3], scale, dropout_p, q.device)
+    """TransformerEngine THD attention, ``padding_causal_bottom_right``, ``attention_type="cross"``.
+
+    A window ``W`` is the module's ``window_size=(W - 1, 0)``; TE has no soft-cap and takes no sinks of ours.
+    """
+    _require_variant(te_variant_problem(variant))
+    module = te_module(q.shape[1], k.shape[1], q.shape[3], scale, dropout_p, q.device, meta.window)
     out = module(
         _to_thd(q[:, :, : meta.n_real]),
         _to_thd(k),

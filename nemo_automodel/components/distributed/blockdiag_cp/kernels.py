@@ -593,11 +593,34 @@ class KernelSpec:
 
 
 KERNELS: dict[str, KernelSpec] = {
-    "fa3": KernelSpec("fa3", gpu_kernels.fa3, _CUDA, _HALF, gpu_kernels.fa3_limits, gpu_kernels.fa3_environment),
-    "flash": KernelSpec(
-        "flash", gpu_kernels.flash, _CUDA, _HALF, gpu_kernels.flash_limits, gpu_kernels.flash_environment
+    "fa3": KernelSpec(
+        "fa3",
+        gpu_kernels.fa3,
+        _CUDA,
+        _HALF,
+        gpu_kernels.fa3_limits,
+        gpu_kernels.fa3_environment,
+        variant_problem=gpu_kernels.fa3_variant_problem,
     ),
-    "te": KernelSpec("te", gpu_kernels.te, _CUDA, _HALF, None, gpu_kernels.te_environment, gpu_kernels.te_auto_problem),
+    "flash": KernelSpec(
+        "flash",
+        gpu_kernels.flash,
+        _CUDA,
+        _HALF,
+        gpu_kernels.flash_limits,
+        gpu_kernels.flash_environment,
+        variant_problem=gpu_kernels.flash_variant_problem,
+    ),
+    "te": KernelSpec(
+        "te",
+        gpu_kernels.te,
+        _CUDA,
+        _HALF,
+        None,
+        gpu_kernels.te_environment,
+        gpu_kernels.te_auto_problem,
+        variant_problem=gpu_kernels.te_variant_problem,
+    ),
     "torch_varlen": KernelSpec(
         "torch_varlen",
         gpu_kernels.torch_varlen,
@@ -605,6 +628,7 @@ KERNELS: dict[str, KernelSpec] = {
         _HALF,
         gpu_kernels.torch_varlen_limits,
         gpu_kernels.torch_varlen_environment,
+        variant_problem=gpu_kernels.torch_varlen_variant_problem,
     ),
     "sdpa_varlen": KernelSpec("sdpa_varlen", _sdpa_varlen),
     "dense": KernelSpec("dense", _dense),
