@@ -760,8 +760,11 @@ def test_flash_refuses_softcap_with_dropout_like_flash_attn():
     """flash_api.cpp: "Softcapping does not support dropout for now"; said before the call, naming the source."""
     variant = AttentionVariant(softcap=30.0, source="Gemma2ForCausalLM layer 0")
     meta, q, k, v = _group((5, 3), (9, 3))
-    with fake_kernels(), pytest.raises(ValueError, match=r"softcap=30.0 \(Gemma2ForCausalLM layer 0\) with dropout_p"):
-        kernels.blockdiag_attention("flash", q, k, v, meta, None, 0.1, variant)
+    with fake_kernels():
+        with pytest.raises(ValueError, match=r"softcap=30.0 \(Gemma2ForCausalLM layer 0\) with dropout_p"):
+            kernels.blockdiag_attention("flash", q, k, v, meta, None, 0.1, variant)
+        reason = kernels.kernel_unavailable_reason("flash", torch.float16, "cuda", dropout_p=0.1, variant=variant)
+        assert reason is not None and "soft-capping has no dropout" in reason
 
 
 # ----------------------------------------------------------------------------- attention variants: computed exactly

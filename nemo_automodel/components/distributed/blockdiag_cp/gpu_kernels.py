@@ -379,23 +379,38 @@ def variant_gaps(kernel: str) -> dict[str, str]:
     raise KeyError(f"{kernel!r} is not a GPU kernel")
 
 
-def flash_variant_problem(variant: AttentionVariant) -> str | None:
-    """Which feature of ``variant`` the installed flash-attn 2 cannot compute (:func:`flash_variant_gaps`)."""
-    return None if variant.plain else variant_problem("flash", variant, variant_gaps("flash"))
+def flash_variant_problem(variant: AttentionVariant, dropout_p: float = 0.0) -> str | None:
+    """Which feature of ``variant`` the installed flash-attn 2 cannot compute (:func:`flash_variant_gaps`).
+
+    Soft-capping has no dropout (``flash_api.cpp``: "Softcapping does not support
+    dropout for now"): said at selection, so ``auto`` passes flash over.
+    """
+    if variant.plain:
+        return None
+    if variant.softcap is not None and dropout_p > 0:
+        return (
+            f"{variant.describe(f'softcap={variant.softcap}')} with dropout_p={dropout_p} is not supported by "
+            "attn_backend=flash: flash-attn's soft-capping has no dropout; use dropout_p=0, attn_backend='auto' "
+            "or 'sdpa_varlen'"
+        )
+    return variant_problem("flash", variant, variant_gaps("flash"))
 
 
-def fa3_variant_problem(variant: AttentionVariant) -> str | None:
+def fa3_variant_problem(variant: AttentionVariant, dropout_p: float = 0.0) -> str | None:
     """Which feature of ``variant`` the installed FlashAttention-3 cannot compute (:func:`fa3_variant_gaps`)."""
+    del dropout_p  # no dropout-dependent variant limit
     return None if variant.plain else variant_problem("fa3", variant, variant_gaps("fa3"))
 
 
-def te_variant_problem(variant: AttentionVariant) -> str | None:
+def te_variant_problem(variant: AttentionVariant, dropout_p: float = 0.0) -> str | None:
     """Which feature of ``variant`` the installed TransformerEngine cannot compute (:func:`te_variant_gaps`)."""
+    del dropout_p  # no dropout-dependent variant limit
     return None if variant.plain else variant_problem("te", variant, variant_gaps("te"))
 
 
-def torch_varlen_variant_problem(variant: AttentionVariant) -> str | None:
+def torch_varlen_variant_problem(variant: AttentionVariant, dropout_p: float = 0.0) -> str | None:
     """Which feature of ``variant`` torch's ``varlen_attn`` cannot compute (:func:`torch_varlen_variant_gaps`)."""
+    del dropout_p  # no dropout-dependent variant limit
     return None if variant.plain else variant_problem("torch_varlen", variant, variant_gaps("torch_varlen"))
 
 
@@ -660,13 +675,7 @@ def flash(
     A window goes in as ``window_size=(W - 1, 0)`` and a soft-cap as ``softcap=c``
     (see :func:`flash_window`); plain calls pass neither, as flash-attn 2.1/2.2 have no such parameters.
     """
-    _require_variant(flash_variant_problem(variant))
-    if variant.softcap is not None and dropout_p > 0:
-        # flash_api.cpp: TORCH_CHECK(p_dropout == 0.f, "Softcapping does not support dropout for now")
-        raise ValueError(
-            f"{variant.describe(f'softcap={variant.softcap}')} with dropout_p={dropout_p}: flash-attn's "
-            "soft-capping has no dropout; use dropout_p=0 or attn_backend='sdpa_varlen'"
-        )
+    _require_variant(flash_variant_problem(variant, dropout_p))
     from flash_attn import flash_attn_func, flash_attn_varlen_func
 
     options = _variant_options(meta, variant)

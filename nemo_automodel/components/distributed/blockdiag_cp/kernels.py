@@ -589,7 +589,7 @@ class KernelSpec:
     limits: LimitsCheck | None = None
     environment: EnvironmentCheck | None = None
     auto_skip: Callable[[torch.device], str | None] | None = None
-    variant_problem: Callable[[AttentionVariant], str | None] | None = None
+    variant_problem: Callable[[AttentionVariant, float], str | None] | None = None
 
 
 KERNELS: dict[str, KernelSpec] = {
@@ -689,7 +689,7 @@ def kernel_unavailable_reason(
     if spec is None:
         return f"unknown attention kernel {name!r} (known: {', '.join(KERNELS)})"
     device = torch.device(device)
-    if not variant.plain and spec.variant_problem is not None and (reason := spec.variant_problem(variant)):
+    if not variant.plain and spec.variant_problem is not None and (reason := spec.variant_problem(variant, dropout_p)):
         return reason
     if spec.limits is not None and (reason := spec.limits(head_dim, dropout_p)) is not None:
         return reason
