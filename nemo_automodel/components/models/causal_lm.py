@@ -6,6 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 
 from nemo_automodel.components.config.schema import ModelConfig
+from nemo_automodel.components.models.attention_features import check_attention_route
 from nemo_automodel.components.models.cp_attention import attn_implementation_for, register_cp_attention
 
 
@@ -59,6 +60,9 @@ def build_causal_lm(cfg: ModelConfig, vocab_size: int, seed: int, activation_che
         model = AutoModelForCausalLM.from_config(
             llama_config(cfg, vocab_size), dtype=torch.float32, attn_implementation=attn
         )
+    if not model.config.architectures:  # as save_pretrained records it; CP attention errors name it
+        model.config.architectures = [type(model).__name__]
+    check_attention_route(model.config, cfg.attention)
     if model.get_input_embeddings().num_embeddings < vocab_size:
         raise ValueError(
             f"model.pretrained_path={cfg.pretrained_path}: the model has {model.get_input_embeddings().num_embeddings} "
