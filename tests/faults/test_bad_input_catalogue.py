@@ -335,6 +335,55 @@ def _small_vocabulary_model() -> None:
         build_causal_lm(ModelConfig(pretrained_path=tmp), 256, seed=0, activation_checkpointing=False)
 
 
+def _patch_sdpa_window() -> None:
+    """A saved Mistral (window 4 on every layer) loaded for the patch_sdpa route."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny = MistralConfig(
+            vocab_size=256, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, sliding_window=4,
+        )  # fmt: skip
+        MistralForCausalLM(tiny).save_pretrained(tmp)
+        build_causal_lm(
+            ModelConfig(pretrained_path=tmp, attention="patch_sdpa"), 256, seed=0, activation_checkpointing=False
+        )
+
+
+def _patch_sdpa_config(config: Any) -> None:
+    from nemo_automodel.components.models.attention_features import check_attention_route
+
+    check_attention_route(config, "patch_sdpa")
+
+
+def _gemma2_config() -> Any:
+    from transformers import Gemma2Config
+
+    return Gemma2Config(num_hidden_layers=2, sliding_window=4, layer_types=["sliding_attention", "full_attention"])
+
+
+def _gpt_oss_config() -> Any:
+    from transformers import GptOssConfig
+
+    return GptOssConfig(num_hidden_layers=2)
+
+
+class _MistralLayer(torch.nn.Module):
+    """A stand-in attention module: layer 3 of a MistralForCausalLM."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer_idx = 3
+        self.config = SimpleNamespace(architectures=["MistralForCausalLM"])
+
+
+def _attention_call(**kwargs: Any) -> Any:
+    from nemo_automodel.components.models.cp_attention import cp_blockdiag_attention
+
+    q = torch.zeros(1, 2, 4, 8)
+    return cp_blockdiag_attention(_MistralLayer(), q, q, q, None, **kwargs)
+
+
 def _attention_never_reached() -> None:
     setup = SimpleNamespace(meshes=SimpleNamespace(cp=SimpleNamespace(size=lambda: 2)), attention="patch_sdpa")
     ctx, _, _ = make_cp_blockdiag_batch_and_ctx(None, None, _row())
@@ -441,6 +490,14 @@ RECIPE: dict[str, Callable[[], Any]] = {
     "launch-slurm-nodelist": lambda: first_slurm_host("[bad"),
     "model-vocabulary": _small_vocabulary_model,
     "model-attention-never-cp": _attention_never_reached,
+    "model-patch-sdpa-window": _patch_sdpa_window,
+    "model-patch-sdpa-softcap": lambda: _patch_sdpa_config(_gemma2_config()),
+    "model-patch-sdpa-sinks": lambda: _patch_sdpa_config(_gpt_oss_config()),
+    "attention-unknown-keyword": lambda: _attention_call(attention_chunk_size=8),
+    "attention-not-causal": lambda: _attention_call(is_causal=False),
+    "attention-weights": lambda: _attention_call(output_attentions=True),
+    "attention-packing-metadata": lambda: _attention_call(cu_seq_lens_q=torch.zeros(2, dtype=torch.int32)),
+    "attention-bad-window": lambda: _attention_call(sliding_window=0),
 }
 
 TRIGGERS: dict[str, Callable[[], Any]] = {**BATCH, **QKV, **KERNEL, **CORE, **RECIPE}

@@ -71,7 +71,10 @@ def export_hf(
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank != 0:
         return None
-    export = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    try:
+        export = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    except ValueError:  # a family without an SDPA path (Gemma 2): eager, which every family has
+        export = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=dtype)
     export.load_state_dict(full)
     export.generation_config = GenerationConfig.from_model_config(config)
     export.generation_config.use_cache = True

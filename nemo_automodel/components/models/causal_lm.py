@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 
 from nemo_automodel.components.config.schema import ModelConfig
+from nemo_automodel.components.models.attention_features import check_attention_route
 from nemo_automodel.components.models.cp_attention import attn_implementation_for, register_cp_attention
 
 
@@ -30,8 +31,6 @@ def pretrained_dtype(path: str) -> torch.dtype | None:
 
     Training loads every model in float32; the export returns to this dtype (``trainer.export_dtype=auto``).
     """
-    from transformers import AutoConfig
-
     dtype = getattr(AutoConfig.from_pretrained(path, local_files_only=True), "dtype", None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
@@ -50,6 +49,8 @@ def build_causal_lm(cfg: ModelConfig, vocab_size: int, seed: int, activation_che
     register_cp_attention()
     attn = attn_implementation_for(cfg.attention)
     if cfg.pretrained_path is not None:
+        # before loading: transformers itself may refuse the route's implementation with a less useful message
+        check_attention_route(AutoConfig.from_pretrained(cfg.pretrained_path, local_files_only=True), cfg.attention)
         model = AutoModelForCausalLM.from_pretrained(
             cfg.pretrained_path, local_files_only=True, dtype=torch.float32, attn_implementation=attn
         )
@@ -59,6 +60,9 @@ def build_causal_lm(cfg: ModelConfig, vocab_size: int, seed: int, activation_che
         model = AutoModelForCausalLM.from_config(
             llama_config(cfg, vocab_size), dtype=torch.float32, attn_implementation=attn
         )
+    if not model.config.architectures:  # as save_pretrained records it; CP attention errors name it
+        model.config.architectures = [type(model).__name__]
+    check_attention_route(model.config, cfg.attention)  # windows, soft-cap, sinks: refused by patch_sdpa
     if model.get_input_embeddings().num_embeddings < vocab_size:
         raise ValueError(
             f"model.pretrained_path={cfg.pretrained_path}: the model has {model.get_input_embeddings().num_embeddings} "

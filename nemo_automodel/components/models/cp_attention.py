@@ -10,7 +10,11 @@ Two routes, chosen by ``model.attention``:
   :func:`attention_scope` routes ``F.scaled_dot_product_attention`` through CP
   for the duration of a step (forward and backward).
 
-Outside a CP step context both are exactly stock causal SDPA.
+Outside a CP step context both are exactly stock causal SDPA; ``hf_interface`` calls with a
+sliding window, soft-cap or sinks are then computed exactly by :func:`explicit_attention`.
+Inside a step, ``hf_interface`` hands those to the core as an ``AttentionVariant``;
+``patch_sdpa`` cannot see them, so the recipe refuses it for models that have them
+(:mod:`nemo_automodel.components.models.attention_features`).
 """
 
 from __future__ import annotations
@@ -22,10 +26,127 @@ from typing import Any
 
 import torch
 
-from nemo_automodel.components.distributed.blockdiag_cp import cp_blockdiag_sdpa, patch_sdpa
+from nemo_automodel.components.distributed.blockdiag_cp import cp_blockdiag_sdpa, current_blockdiag_cp_state, patch_sdpa
+from nemo_automodel.components.distributed.blockdiag_cp.variant import AttentionVariant
 
 CP_ATTN_IMPLEMENTATION = "cp_blockdiag"
 _FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"  # read by transformers' sdpa_attention_forward at every call
+
+
+# Keywords transformers' attention modules pass (see the ``attention_interface(...)`` calls in
+# transformers/models/*/modeling_*.py) that carry no attention semantics for this function, and why.
+# Anything not handled here or in ``_HARMLESS_AT`` raises: a dropped keyword would silently change the math.
+_HARMLESS: dict[str, str] = {
+    # rotary embeddings are applied before the call; document boundaries come from the CP step
+    "position_ids": "used for rotary embeddings before attention",
+    # the KV cache is updated by the attention module before the call
+    "use_cache": "KV-cache bookkeeping, done before attention",
+    # gpt-oss forwards its MoE flag through every layer's kwargs
+    "output_router_logits": "an MoE router output flag",
+    # forwarded through the layers by some models; affects the decoder's outputs only
+    "output_hidden_states": "a decoder output flag",
+    # loss normalization for gradient accumulation; forwarded through the layers by some models
+    "num_items_in_batch": "a loss normalization count",
+}
+# Keywords that are harmless only at these values: anything else asks for something we do not compute.
+_HARMLESS_AT: dict[str, tuple[Any, ...]] = {
+    "is_causal": (None, True),  # False would ask for bidirectional attention
+    "output_attentions": (None, False),  # True would ask for attention weights, which no CP kernel returns
+}
+
+
+def variant_source(module: torch.nn.Module) -> str:
+    """Where an attention call comes from, e.g. ``"MistralForCausalLM layer 3"`` (named in every error)."""
+    config = getattr(module, "config", None)
+    architectures = getattr(config, "architectures", None) or [type(module).__name__]
+    layer = getattr(module, "layer_idx", None)
+    return f"{architectures[0]} layer {layer}" if layer is not None else architectures[0]
+
+
+def attention_variant(module: torch.nn.Module, kwargs: dict[str, Any]) -> AttentionVariant:
+    """The :class:`AttentionVariant` a transformers attention call asks for; every keyword accounted for.
+
+    Args:
+        module: The calling attention module (names the source).
+        kwargs: The call's keywords besides q/k/v, mask, ``dropout`` and ``scaling``.
+
+    Raises:
+        ValueError: for a keyword this function does not know, or a known one at a value it cannot honour,
+            naming it and the model class and layer.
+    """
+    source = variant_source(module)
+    rest = dict(kwargs)
+    variant = AttentionVariant(
+        window=rest.pop("sliding_window", None),
+        softcap=rest.pop("softcap", None),
+        sinks=rest.pop("s_aux", None),
+        source=source,
+    )
+    for name, value in rest.items():
+        if name in _HARMLESS:
+            continue
+        if name in _HARMLESS_AT and any(value is ok for ok in _HARMLESS_AT[name]):
+            continue
+        shown = f"{name}={value!r}" if not isinstance(value, torch.Tensor) else f"{name} (a tensor)"
+        raise ValueError(
+            f"cp_blockdiag attention ({source}): keyword {shown} is not supported; block-diagonal CP never drops "
+            "an attention argument. Known: sliding_window, softcap, s_aux, dropout, scaling, "
+            f"{', '.join(sorted(_HARMLESS))}, is_causal=True, output_attentions=False"
+        )
+    return variant
+
+
+def explicit_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    scaling: float | None,
+    variant: AttentionVariant,
+) -> torch.Tensor:
+    """Exact eager attention of one unpacked call with ``variant`` (outside a CP step: eval, generation).
+
+    Causal with the queries aligned to the last keys (a KV cache holds earlier ones), inside
+    ``variant.window``, scores soft-capped, sinks joining each row's softmax, as transformers' eager
+    attention of these families computes it.
+
+    Args:
+        query: ``[B, Hq, Lq, D]``.
+        key: ``[B, Hkv, Lk, D]``.
+        value: ``[B, Hkv, Lk, Dv]``.
+        attention_mask: Optional 4-D bool (True = attend) or additive mask, combined with the causal one.
+        dropout: Dropout on the attention weights.
+        scaling: Softmax scale (``None``: ``D ** -0.5``).
+        variant: Window, soft-cap and sinks.
+
+    Returns:
+        ``[B, Hq, Lq, Dv]``.
+    """
+    rep = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    # half-precision scores are upcast for the softmax (as transformers' eager does); float64 stays float64
+    scores = (query @ key.transpose(-1, -2)).to(torch.promote_types(query.dtype, torch.float32)) * scale
+    if variant.softcap is not None:
+        scores = torch.tanh(scores / variant.softcap) * variant.softcap
+    q_pos = torch.arange(key.shape[2] - query.shape[2], key.shape[2], device=query.device)[:, None]
+    k_pos = torch.arange(key.shape[2], device=query.device)[None, :]
+    allowed = k_pos <= q_pos
+    if variant.window is not None:
+        allowed = allowed & (k_pos > q_pos - variant.window)
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        allowed = allowed & attention_mask
+    elif attention_mask is not None:
+        scores = scores + attention_mask.to(scores.dtype)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if variant.sinks is not None:
+        sinks = variant.sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    probs = torch.nn.functional.dropout(probs.nan_to_num(0.0), p=dropout, training=dropout > 0)
+    return probs.to(value.dtype) @ value
 
 
 def cp_blockdiag_attention(
@@ -40,19 +161,28 @@ def cp_blockdiag_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers ``AttentionInterface`` function backed by :func:`cp_blockdiag_sdpa`.
 
+    Every keyword transformers passes is either part of the attention variant
+    (``sliding_window``, ``softcap``, ``s_aux``), used (``dropout``, ``scaling``), or
+    listed as harmless; any other raises (:func:`attention_variant`).
+
     Args:
-        module: The calling attention module (unused).
+        module: The calling attention module (names the model class and layer in errors).
         query: ``[B, Hq, L, D]`` (``B = 1`` inside a CP step).
         key: ``[B, Hkv, L, D]``.
-        value: ``[B, Hkv, L, D]``.
+        value: ``[B, Hkv, L, Dv]`` (``Dv`` may differ from ``D``: MLA).
         attention_mask: ``None`` unless the caller passed a 4-D mask; ignored inside a CP step.
         dropout: Attention dropout probability (0 in eval).
         scaling: Softmax scale.
+        **kwargs: ``sliding_window``, ``softcap``, ``s_aux`` and the harmless keywords.
 
     Returns:
-        ``(attn_output [B, L, Hq, D], None)``: no attention weights.
+        ``(attn_output [B, L, Hq, Dv], None)``: no attention weights.
     """
-    del module, kwargs
+    variant = attention_variant(module, kwargs)
+    if not variant.plain and current_blockdiag_cp_state() is None:
+        # no CP step (eval, generation): stock SDPA cannot express the variant, so compute it exactly
+        out = explicit_attention(query, key, value, attention_mask, dropout, scaling, variant)
+        return out.transpose(1, 2).contiguous(), None
     out = cp_blockdiag_sdpa(
         query,
         key,
@@ -63,6 +193,7 @@ def cp_blockdiag_attention(
         is_causal=attention_mask is None and query.shape[2] > 1,
         scale=scaling,
         enable_gqa=query.shape[1] != key.shape[1],
+        variant=variant,
     )
     return out.transpose(1, 2).contiguous(), None
 
