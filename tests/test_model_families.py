@@ -23,13 +23,6 @@ from tests.families import EXCHANGES, FAMILIES, VOCAB, build_model, cp_run, pack
 
 REL_TOL = 1e-5  # relative to the largest reference value of each tensor
 
-# Core bugs found while writing these tests (see /work/notes/fam10.md); strict, so a fix shows up as XPASS.
-_AUTO_BUG = "core: runtime._auto_choice calls cost.choose(..., window) with 6 positional args (accepts 4-5)"
-_MLA_BUG = "core: runtime._attend / consensus._call assume value head dim == query head dim (MLA Dv != D)"
-_SINK_GRAD_BUG = "core: consensus.GuardedKernel differentiates only q/k/v; variant.sinks gets no gradient"
-_CORE_BUGS: dict[tuple[str, str], str] = {("deepseek_v3", "explicit"): _MLA_BUG, ("deepseek_v3", "auto"): _MLA_BUG}
-_GRAD_BUGS: dict[str, str] = {"gpt_oss": _SINK_GRAD_BUG}
-
 CASE_GROUPS: dict[str, tuple[tuple[str, str], ...]] = {
     "explicit": tuple(c for c in EXCHANGES if c != ("auto", "auto")),
     "auto": (("auto", "auto"),),
@@ -77,16 +70,12 @@ def _problems(name: str, results: list[list[dict[str, Any]]], cases: tuple[tuple
 
 
 def _params() -> list[Any]:
-    out = []
-    for name in FAMILIES:
-        for cp in (2, 3):
-            for group in CASE_GROUPS:
-                marks = []
-                reason = _CORE_BUGS.get((name, group)) or (_AUTO_BUG if group == "auto" else None)
-                if reason:
-                    marks.append(pytest.mark.xfail(strict=True, reason=reason))
-                out.append(pytest.param(name, cp, group, marks=marks, id=f"{name}-cp{cp}-{group}"))
-    return out
+    return [
+        pytest.param(name, cp, group, id=f"{name}-cp{cp}-{group}")
+        for name in FAMILIES
+        for cp in (2, 3)
+        for group in CASE_GROUPS
+    ]
 
 
 @pytest.mark.parametrize(("name", "cp", "group"), _params())
@@ -98,10 +87,7 @@ def test_family_logits_and_grads_match_unpacked_eager(pools, name, cp, group):
     paths = [{r[i]["path"] for r in results} for i in range(len(cases))]
     for (_, kv_exchange), got in zip(cases, paths):
         assert len(got) == 1 and (kv_exchange == "auto" or got == {kv_exchange}), (kv_exchange, got)
-    grads = problems["grads"]
-    if name in _GRAD_BUGS:  # the sinks' missing gradient is a known core bug (xfail below); every other must match
-        grads = [(case, p) for case, p in grads if ".sinks:" not in p]
-    assert not grads, "\n".join(map(str, grads))
+    assert not problems["grads"], "\n".join(map(str, problems["grads"]))
 
 
 @pytest.mark.parametrize("name", ["mistral", "gemma2", "gpt_oss"])
@@ -113,8 +99,8 @@ def test_dense_kernel_honours_variants(pools, name):
     assert not problems["logits"], "\n".join(map(str, problems["logits"]))
 
 
-@pytest.mark.xfail(strict=True, reason=_SINK_GRAD_BUG)
 def test_gpt_oss_sinks_get_their_gradient_under_cp(pools):
+    """The sink logits are a parameter: each rank's share of their gradient adds up to the reference's."""
     cases = CASE_GROUPS["explicit"][:1]
     results = pools.get(2).run_ok(cp_run, "gpt_oss", cases, timeout=180)
     problems = _problems("gpt_oss", results, cases)
@@ -141,16 +127,22 @@ def test_outside_a_step_cp_attention_is_exactly_eager(name):
     assert _rel_err(got, want) <= REL_TOL
 
 
-def test_outside_a_step_with_a_kv_cache_queries_align_to_the_last_keys():
-    """Generation: one new query over cached keys sees the last ``window`` keys, as the eager model does."""
+@pytest.mark.parametrize("name", ["mistral", "llama"])
+@pytest.mark.parametrize("new_tokens", [1, 4])
+def test_outside_a_step_with_a_kv_cache_queries_align_to_the_last_keys(name, new_tokens):
+    """Generation: new queries over cached keys (decode, chunked prefill) see their causal window, as eager does.
+
+    Stock SDPA's ``is_causal`` would align several new queries to the *first* keys (top-left).
+    """
     cp_attention.register_cp_attention()
     ids = packed_row((12,))["input_ids"]
     logits = {}
     for impl in ("eager", cp_attention.CP_ATTN_IMPLEMENTATION):
-        model = build_model("mistral", impl)
+        model = build_model(name, impl)
         with torch.no_grad():
-            out = model(input_ids=ids[:, :-1], use_cache=True)
-            logits[impl] = model(input_ids=ids[:, -1:], past_key_values=out.past_key_values, use_cache=True).logits
+            out = model(input_ids=ids[:, :-new_tokens], use_cache=True)
+            cache = out.past_key_values
+            logits[impl] = model(input_ids=ids[:, -new_tokens:], past_key_values=cache, use_cache=True).logits
     assert _rel_err(logits[cp_attention.CP_ATTN_IMPLEMENTATION], logits["eager"]) <= REL_TOL
 
 

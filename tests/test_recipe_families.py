@@ -134,12 +134,7 @@ def test_cp1_first_loss_equals_unpacked_reference_with_variants(saved_models, cp
     assert abs(got - without) > 1e-4 * abs(want), f"{name}: the variants do not change the loss; the check is vacuous"
 
 
-_AUTO_BUG = "core: runtime._auto_choice calls cost.choose(..., window) with 6 positional args (accepts 4-5)"
-EXCHANGES = [
-    ("contiguous", "halo"),
-    ("balanced", "a2a"),
-    pytest.param("auto", "auto", marks=pytest.mark.xfail(strict=True, reason=_AUTO_BUG)),
-]
+EXCHANGES = [("contiguous", "halo"), ("balanced", "a2a"), ("auto", "auto")]
 
 
 @pytest.mark.parametrize(("layout", "kv_exchange"), EXCHANGES)

@@ -173,6 +173,14 @@ def _packed_with(backend: str = "auto", length: int = 8, **call: Any) -> Any:
         disable_cp1_packed_varlen()
 
 
+def _windowed_model() -> torch.nn.Module:
+    """A module with one ``self_attn`` and a Mistral-like transformers config (window 4 on both layers)."""
+    model = torch.nn.Module()
+    model.self_attn = torch.nn.Identity()
+    model.config = SimpleNamespace(model_type="mistral", sliding_window=4, num_hidden_layers=2)
+    return model
+
+
 KERNEL: dict[str, Callable[[], Any]] = {
     "kernel-flash-device": lambda: _attend_with("flash"),
     "kernel-flash-head-dim": lambda: _attend_with("flash", head_dim=264),
@@ -241,6 +249,7 @@ CORE: dict[str, Callable[[], Any]] = {
     "mesh-group-size": lambda: make_cp_blockdiag_batch_and_ctx(_MismatchedMesh(), None, _row()),
     "ranks-disagree": _disagreeing_rank,
     "cp1-no-attention-modules": lambda: attach_cp1_packed_varlen_hooks(torch.nn.Linear(2, 2)),
+    "cp1-hooks-windowed-model": lambda: attach_cp1_packed_varlen_hooks(_windowed_model()),
     "cp1-packed-kwargs": lambda: _packed_with(sliding_window=4),
     "cp1-packed-variant-passthrough": lambda: _packed_with(length=6, variant=AttentionVariant(softcap=30.0)),
     "plan-cp": lambda: _planner("--cp", "0", "--seq-len", "64", "--doc-lens", "8"),

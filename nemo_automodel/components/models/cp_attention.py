@@ -26,7 +26,12 @@ from typing import Any
 
 import torch
 
-from nemo_automodel.components.distributed.blockdiag_cp import cp_blockdiag_sdpa, current_blockdiag_cp_state, patch_sdpa
+from nemo_automodel.components.distributed.blockdiag_cp import (
+    cp_blockdiag_sdpa,
+    current_blockdiag_cp_state,
+    kernels,
+    patch_sdpa,
+)
 from nemo_automodel.components.distributed.blockdiag_cp.variant import AttentionVariant
 
 CP_ATTN_IMPLEMENTATION = "cp_blockdiag"
@@ -105,11 +110,11 @@ def explicit_attention(
     scaling: float | None,
     variant: AttentionVariant,
 ) -> torch.Tensor:
-    """Exact eager attention of one unpacked call with ``variant`` (outside a CP step: eval, generation).
+    """Exact eager attention of one unpacked call (outside a CP step: eval, generation).
 
-    Causal with the queries aligned to the last keys (a KV cache holds earlier ones), inside
-    ``variant.window``, scores soft-capped, sinks joining each row's softmax, as transformers' eager
-    attention of these families computes it.
+    Causal with the queries aligned to the last keys (a KV cache holds the earlier
+    ones), inside ``variant.window``, with its soft-cap and sinks: the core's
+    explicit-score attention, as transformers' eager attention of these families.
 
     Args:
         query: ``[B, Hq, Lq, D]``.
@@ -123,30 +128,31 @@ def explicit_attention(
     Returns:
         ``[B, Hq, Lq, Dv]``.
     """
-    rep = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
-    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    # half-precision scores are upcast for the softmax (as transformers' eager does); float64 stays float64
-    scores = (query @ key.transpose(-1, -2)).to(torch.promote_types(query.dtype, torch.float32)) * scale
-    if variant.softcap is not None:
-        scores = torch.tanh(scores / variant.softcap) * variant.softcap
     q_pos = torch.arange(key.shape[2] - query.shape[2], key.shape[2], device=query.device)[:, None]
     k_pos = torch.arange(key.shape[2], device=query.device)[None, :]
     allowed = k_pos <= q_pos
     if variant.window is not None:
         allowed = allowed & (k_pos > q_pos - variant.window)
+    bias = None
     if attention_mask is not None and attention_mask.dtype == torch.bool:
         allowed = allowed & attention_mask
     elif attention_mask is not None:
-        scores = scores + attention_mask.to(scores.dtype)
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    if variant.sinks is not None:
-        sinks = variant.sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
-        probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
-    else:
-        probs = torch.softmax(scores, dim=-1)
-    probs = torch.nn.functional.dropout(probs.nan_to_num(0.0), p=dropout, training=dropout > 0)
-    return probs.to(value.dtype) @ value
+        bias = attention_mask
+    out = kernels.explicit_attention(query, key, value, allowed, scaling, dropout, variant, bias)
+    return out.nan_to_num(0.0)  # a row with every key masked (left padding) is zero, not NaN
+
+
+def _needs_explicit(
+    query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, variant: AttentionVariant
+) -> bool:
+    """Outside a CP step: whether stock SDPA cannot compute the call.
+
+    SDPA cannot express a window, soft-cap or sinks; and its ``is_causal`` aligns
+    the mask top-left, wrong when a KV cache holds earlier keys (``Lq != Lk``,
+    e.g. chunked prefill), where the queries are the last positions.
+    """
+    cached = attention_mask is None and 1 < query.shape[2] != key.shape[2]
+    return not variant.plain or cached
 
 
 def cp_blockdiag_attention(
@@ -179,8 +185,7 @@ def cp_blockdiag_attention(
         ``(attn_output [B, L, Hq, Dv], None)``: no attention weights.
     """
     variant = attention_variant(module, kwargs)
-    if not variant.plain and current_blockdiag_cp_state() is None:
-        # no CP step (eval, generation): stock SDPA cannot express the variant, so compute it exactly
+    if current_blockdiag_cp_state() is None and _needs_explicit(query, key, attention_mask, variant):
         out = explicit_attention(query, key, value, attention_mask, dropout, scaling, variant)
         return out.transpose(1, 2).contiguous(), None
     out = cp_blockdiag_sdpa(

@@ -308,7 +308,7 @@ def _dense_mask(meta: VarlenMeta, dtype: torch.dtype, device: torch.device) -> t
     return meta._masks[key]
 
 
-def _explicit_attention(
+def explicit_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -316,14 +316,19 @@ def _explicit_attention(
     scale: float | None,
     dropout_p: float,
     variant: AttentionVariant,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention with explicit scores, for what SDPA cannot express (soft-cap, sinks).
+
+    The order of transformers' eager attention: scaled scores, soft-cap, additive
+    ``bias``, mask, softmax in at least fp32 (with the sinks), dropout, values.
 
     Args:
         q: Queries ``[B, Hq, T, D]``.
         k: Keys ``[B, Hkv, S, D]``.
         v: Values ``[B, Hkv, S, Dv]``.
-        allowed: Boolean ``[T, S]``: which keys each row attends.
+        allowed: Boolean, broadcastable to ``[B, Hq, T, S]``: which keys each row attends.
+        bias: Optional additive mask broadcastable to the scores (a caller's float attention mask).
         scale: Softmax scale (``None``: ``D ** -0.5``).
         dropout_p: Dropout on the attention weights.
         variant: Soft-cap (applied to the scaled scores before masking) and sinks ``[Hq]``
@@ -338,6 +343,8 @@ def _explicit_attention(
     scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
     if variant.softcap is not None:
         scores = torch.tanh(scores / variant.softcap) * variant.softcap
+    if bias is not None:
+        scores = scores + bias.to(scores.dtype)
     scores = scores.masked_fill(~allowed, float("-inf"))
     if variant.sinks is not None:
         sink = variant.sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
@@ -367,7 +374,7 @@ def _dense(
     rows = q if meta.n_real == q.shape[2] else q[:, :, : meta.n_real]
     if variant.softcap is not None or variant.sinks is not None:
         allowed = _dense_mask(meta, torch.bool, q.device)
-        return _pad_rows(_explicit_attention(rows, k, v, allowed, scale, dropout_p, variant), meta.local_len)
+        return _pad_rows(explicit_attention(rows, k, v, allowed, scale, dropout_p, variant), meta.local_len)
     gqa = q.shape[1] != k.shape[1]
     if gqa and q.device.type != "cpu":
         # CUDA's memory-efficient kernel (the one that takes arbitrary masks) has no
@@ -467,7 +474,7 @@ def _masked_tiles(
     key 0). Each tile reads only the keys its rows see; a tile of ``T`` rows
     computes about ``T^2 / 2`` masked pairs in vain. Plain attention runs as
     masked SDPA, soft-cap and sinks with explicit scores
-    (:func:`_explicit_attention`). SDPA saves its mask for backward, so when the
+    (:func:`explicit_attention`). SDPA saves its mask for backward, so when the
     tiles' masks would add up to more than ``_MASK_BUDGET`` elements each tile is
     checkpointed (its mask and scores are rebuilt in backward) and memory stays
     one tile's worth.
@@ -488,7 +495,7 @@ def _masked_tiles(
         if window is not None:
             allowed &= key_pos[None, :] > last[:, None] - window
         if explicit:
-            return _explicit_attention(q_rows, keys, values, allowed, scale, dropout_p, variant)
+            return explicit_attention(q_rows, keys, values, allowed, scale, dropout_p, variant)
         return TORCH_SDPA(
             q_rows,
             keys,

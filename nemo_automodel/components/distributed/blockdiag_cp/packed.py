@@ -176,6 +176,29 @@ def _restore(*_: Any) -> None:
     F.scaled_dot_product_attention = _SAVED_SDPA.pop()
 
 
+def _refuse_attention_features(model: torch.nn.Module) -> None:
+    """Refuse a transformers model whose attention has a window, soft-cap or sinks.
+
+    Its stock-SDPA calls carry a window only in the mask, which the armed row
+    replaces with the document mask, and soft-cap or sinks not at all: they would
+    be silently dropped. Models without a transformers config are not checked.
+    """
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "model_type"):
+        return
+    # imported here: only transformers models have such a config (the core does not depend on the model code)
+    from nemo_automodel.components.models.attention_features import attention_features
+
+    features = attention_features(config).names()
+    if features:
+        raise ValueError(
+            f"attach_cp1_packed_varlen_hooks: the model asks for {', '.join(features)}, which its stock SDPA calls "
+            "cannot carry to the packed path (it would silently compute plain causal attention); load it with "
+            "attn_implementation='cp_blockdiag' (cp_attention.register_cp_attention(): variants are passed on) "
+            "and run it in a cp=1 step of make_cp_blockdiag_batch_and_ctx, as the recipe does"
+        )
+
+
 def attach_cp1_packed_varlen_hooks(
     model: torch.nn.Module, *, attention_suffix: str = "self_attn"
 ) -> list[RemovableHandle]:
@@ -189,8 +212,11 @@ def attach_cp1_packed_varlen_hooks(
         The hook handles (call ``.remove()`` on each to detach).
 
     Raises:
-        ValueError: when no module name ends with ``attention_suffix``.
+        ValueError: when no module name ends with ``attention_suffix``; when the model's
+            transformers config asks for sliding windows, soft-capping or sinks (see
+            :func:`_refuse_attention_features`).
     """
+    _refuse_attention_features(model)
     handles: list[RemovableHandle] = []
     for name, module in model.named_modules():
         if name.endswith(attention_suffix):
