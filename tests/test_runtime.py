@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from nemo_automodel.components.distributed.blockdiag_cp import (
+    AttentionVariant,
     CPOptions,
     configure_cp_varlen,
     consensus,
@@ -194,6 +195,24 @@ def test_an_explicit_kernel_one_rank_cannot_run_makes_every_rank_raise(pools, kv
     assert all(not r.ok and r.error_type == "RuntimeError" for r in results), [r.message for r in results]
     assert all("disagree on resolved kernel" in r.message for r in results)
     assert "attn_backend='dense' cannot run here: dense needs device cuda" in results[1].message
+    pools.ensure_healthy(2)
+
+
+def _attend_with_window(ids, windows):
+    """One CP call whose sliding window is ``windows[rank]`` (a model differing between ranks)."""
+    ctx, shard = _step(ids, kv_exchange="halo")
+    q, k, v = _local_qkv(shard)
+    with ctx():
+        variant = AttentionVariant(window=windows[dist.get_rank()])
+        return cp_blockdiag_sdpa(q, k, v, enable_gqa=True, variant=variant).shape
+
+
+def test_ranks_with_different_attention_variants_all_raise(pools):
+    """The variant is part of the step agreement: a rank with another window makes every rank raise together."""
+    results = pools.get(2).run(_attend_with_window, layout("straddle", 2), [None, 4], timeout=60)
+    assert all(not r.ok and r.error_type == "RuntimeError" for r in results), [r.message for r in results]
+    assert all("disagree on attention variant" in r.message for r in results), [r.message for r in results]
+    assert all(r.ok for r in pools.get(2).run(_attend_with_window, layout("straddle", 2), [4, 4], timeout=60))
     pools.ensure_healthy(2)
 
 
