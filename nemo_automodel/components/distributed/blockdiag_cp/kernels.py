@@ -498,9 +498,10 @@ def _window_tile(prefix: int, window: int, first_row: int, rows: int) -> tuple[_
 
     Row ``r`` sits at key position ``p = prefix + first_row + r`` and sees keys ``(p - window, p]``. With
     ``c = window - 1`` and ``a = prefix + first_row``, the tile's keys ``[a - c, a + rows)`` split into
-    ``[a - c, a - c + rows)``: row ``r`` sees its keys from index ``r`` on (a lower-left triangle:
-    reversing rows and keys makes it top-left causal, also when clipped at key 0, since the clip drops the
-    keys no row sees last); ``[a - c + rows, a)``: seen by every row; ``[a, a + rows)``: top-left causal.
+    ``[a - c, a - c + rows)``: row ``r`` sees its keys from index ``r`` on, a triangle that reversing rows
+    and keys turns into top-left causal (clipping at key 0 drops its earliest keys, the last columns once
+    reversed, so reversed row ``r'`` still sees exactly the keys ``<= r'`` that remain);
+    ``[a - c + rows, a)``: seen by every row; ``[a, a + rows)``: top-left causal.
     """
     c, a = window - 1, prefix + first_row
     edges = (max(0, a - c), max(0, a - c + rows), a, a + rows)
