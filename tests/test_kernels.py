@@ -126,3 +126,113 @@ def test_value_head_dim_may_differ_from_query_head_dim():
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-11)
     for g, w in zip(grads, ref_grads):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-11)
+
+
+def _window_segments(batch: int, q_len: int, k_len: int, heads: tuple[int, int], dim: int = 8):
+    gen = torch.Generator().manual_seed(q_len * 131 + k_len * 7 + batch)
+    hq, hkv = heads
+    shapes = ((batch, hq, q_len, dim), (batch, hkv, k_len, dim), (batch, hkv, k_len, dim))
+    return tuple(torch.randn(s, generator=gen, dtype=torch.float64, requires_grad=True) for s in shapes)
+
+
+def _window_reference(q, k, v, window):
+    """Each batch entry is one segment: its rows are the last rows of a document, embedded in a full row."""
+    prefix = k.shape[2] - q.shape[2]
+    ids = torch.ones(1, k.shape[2], dtype=torch.long)
+    outs = []
+    for b in range(q.shape[0]):
+        q_full = torch.cat((q.new_zeros(1, q.shape[1], prefix, q.shape[3]), q[b : b + 1]), dim=2)
+        outs.append(reference_attention(q_full, k[b : b + 1], v[b : b + 1], ids, None, window)[:, :, prefix:])
+    return torch.cat(outs)
+
+
+# (q_len, prefix, window): Q < W, Q == W - 1, Q a multiple of W - 1 or not; P = 0, P < W - 1, P == W - 1,
+# P > W - 1; W = 2 (one-row tiles) and W = 3.
+WINDOW_SHAPES = [
+    (5, 0, 9),
+    (5, 3, 9),
+    (5, 7, 9),
+    (8, 0, 9),
+    (8, 3, 9),
+    (8, 8, 9),
+    (24, 0, 9),
+    (24, 5, 9),
+    (24, 8, 9),
+    (29, 0, 9),
+    (29, 3, 9),
+    (29, 8, 9),
+    (29, 12, 9),
+    (7, 0, 2),
+    (7, 1, 2),
+    (7, 4, 2),
+    (10, 2, 3),
+    (33, 31, 32),
+]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("heads", [(4, 2), (2, 2)])
+@pytest.mark.parametrize(("q_len", "prefix", "window"), WINDOW_SHAPES)
+def test_sliding_window_is_mask_free_and_matches_reference(monkeypatch, batch, heads, q_len, prefix, window):
+    """The CPU window path (forward, dq/dk/dv) equals the explicit reference, without touching the masked tiles."""
+
+    def no_masks(*args, **kwargs):
+        raise AssertionError("the CPU window path fell back to masked tiles")
+
+    monkeypatch.setattr(kernels, "_masked_tiles", no_masks)
+    q, k, v = _window_segments(batch, q_len, q_len + prefix, heads)
+    got, got_grads = _grads_all(lambda q, k, v: kernels._bottom_right_window(q, k, v, None, 0.0, window), (q, k, v))
+    want, want_grads = _grads_all(lambda q, k, v: _window_reference(q, k, v, window), (q, k, v))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-11)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-11)
+
+
+@pytest.mark.parametrize(("q_len", "prefix", "window", "dim_v"), [(6, 0, 1, 8), (6, 3, 1, 8), (9, 2, 4, 5)])
+def test_sliding_window_fallbacks_match_reference(q_len, prefix, window, dim_v):
+    """``W == 1`` (no tile of ``W - 1`` rows) and ``Dv != D`` (the flash op's limit) take the masked tiles."""
+    q, k, _ = _window_segments(2, q_len, q_len + prefix, (4, 2))
+    v = torch.randn(2, 2, q_len + prefix, dim_v, dtype=torch.float64, requires_grad=True)
+    got, got_grads = _grads_all(lambda q, k, v: kernels._bottom_right_window(q, k, v, None, 0.0, window), (q, k, v))
+    want, want_grads = _grads_all(lambda q, k, v: _window_reference(q, k, v, window), (q, k, v))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-11)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-11)
+
+
+def test_sdpa_varlen_window_batches_segments_like_dense():
+    """Through the kernel entry point: same-shape segments batched, windows shorter than some segments only."""
+    q_lens, k_lens = (6, 6, 11, 3, 6), (9, 9, 11, 3, 8)
+    meta = kernels.build_varlen_meta(q_lens, k_lens, sum(q_lens) + 2, "cpu", window=4)
+    variant = AttentionVariant(window=4)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 4, meta.local_len, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(1, 2, meta.kv_len, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in "kv")
+    got, got_grads = _grads_all(lambda q, k, v: kernels._sdpa_varlen(q, k, v, meta, None, 0.0, variant), (q, k, v))
+    want, want_grads = _grads_all(lambda q, k, v: kernels._dense(q, k, v, meta, None, 0.0, variant), (q, k, v))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-11)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-11)
+
+
+def test_sliding_window_saves_no_mask_sized_tensor():
+    q, k, v = _window_segments(1, 2048, 2048 + 511, (2, 2))
+    saved: list[int] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        kernels._bottom_right_window(q, k, v, None, 0.0, 512)
+    # q/k/v, the output and the log-sum-exp only: nothing [Q, K]- or [tile, W]-sized (a masked tile would be 256 x 767).
+    assert max(saved) <= k.numel() < 256 * 767
+
+
+def test_sliding_window_bfloat16_close_to_reference():
+    q, k, v = _window_segments(2, 70, 70 + 20, (4, 2), dim=16)
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    half = [t.detach().bfloat16().requires_grad_() for t in (q, k, v)]
+    got = kernels._bottom_right_window(*half, None, 0.0, 21)
+    got_grads = torch.autograd.grad(got, half, grad.bfloat16())
+    want = _window_reference(q, k, v, 21)
+    want_grads = torch.autograd.grad(want, (q, k, v), grad)
+    assert got.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in got_grads)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-2)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g.double(), w, rtol=0, atol=5e-2)

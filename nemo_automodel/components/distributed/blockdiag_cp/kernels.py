@@ -459,6 +459,193 @@ def _bottom_right_causal(
     return _masked_tiles(q, k, v, scale, dropout_p, PLAIN, None)
 
 
+@dataclass(frozen=True)
+class _KeyBlock:
+    """Keys of tile 0 of a :class:`_TileRun` (tile ``i``'s start ``i * rows`` later) and how its rows see them.
+
+    Attributes:
+        start: First key (segment-relative).
+        length: Keys in the block.
+        mask: ``"causal"`` (row ``r`` sees keys ``<= r``: top-left ``is_causal``), ``"reversed"`` (row ``r``
+            sees keys ``>= r - (rows - length)``: ``is_causal`` once rows and keys are flipped) or ``"none"``.
+    """
+
+    start: int
+    length: int
+    mask: str
+
+
+@dataclass(frozen=True)
+class _TileRun:
+    """``count`` consecutive row tiles of one shape of a windowed segment; each tile is one batch entry.
+
+    Attributes:
+        first_row: First query row of tile 0.
+        rows: Query rows per tile.
+        count: Tiles in the run (``> 1`` only for unclipped tiles whose blocks are all ``rows`` keys long,
+            so stacking and unstacking is a reshape).
+        blocks: The non-empty key blocks of tile 0.
+    """
+
+    first_row: int
+    rows: int
+    count: int
+    blocks: tuple[_KeyBlock, ...]
+
+
+def _window_tile(prefix: int, window: int, first_row: int, rows: int) -> tuple[_KeyBlock, ...]:
+    """Key blocks of the tile of ``rows <= window - 1`` query rows starting at ``first_row``.
+
+    Row ``r`` sits at key position ``p = prefix + first_row + r`` and sees keys ``(p - window, p]``. With
+    ``c = window - 1`` and ``a = prefix + first_row``, the tile's keys ``[a - c, a + rows)`` split into
+    ``[a - c, a - c + rows)``: row ``r`` sees its keys from index ``r`` on, a triangle that reversing rows
+    and keys turns into top-left causal (clipping at key 0 drops its earliest keys, the last columns once
+    reversed, so reversed row ``r'`` still sees exactly the keys ``<= r'`` that remain);
+    ``[a - c + rows, a)``: seen by every row; ``[a, a + rows)``: top-left causal.
+    """
+    c, a = window - 1, prefix + first_row
+    edges = (max(0, a - c), max(0, a - c + rows), a, a + rows)
+    kinds = ("reversed", "none", "causal")
+    return tuple(_KeyBlock(lo, hi - lo, kind) for lo, hi, kind in zip(edges, edges[1:], kinds) if hi > lo)
+
+
+def _window_runs(q_len: int, k_len: int, window: int) -> tuple[_TileRun, ...]:
+    """Tiles of ``window - 1`` rows over a segment's ``q_len`` rows, consecutive tiles of one shape merged.
+
+    Only the first tile can be clipped at key 0 and only the last can be short, so there are at most three runs.
+    """
+    prefix, c = k_len - q_len, window - 1
+    runs: list[_TileRun] = []
+    for first_row in range(0, q_len, c):
+        rows = min(c, q_len - first_row)
+        blocks = _window_tile(prefix, window, first_row, rows)
+        last = runs[-1] if runs else None
+        shifted = last is not None and last.rows == rows and all(b.length == rows for b in last.blocks)
+        if shifted and blocks == tuple(_KeyBlock(b.start + last.count * rows, b.length, b.mask) for b in last.blocks):
+            runs[-1] = _TileRun(last.first_row, rows, last.count + 1, last.blocks)
+        else:
+            runs.append(_TileRun(first_row, rows, 1, blocks))
+    return tuple(runs)
+
+
+def _tiles(x: torch.Tensor, start: int, length: int, count: int) -> torch.Tensor:
+    """``x [B, H, n, ...]``'s ``count`` consecutive blocks of ``length`` from ``start``, stacked tile-major:
+    ``[B * count, H, length, ...]``."""
+    return x[:, :, start : start + count * length].unflatten(2, (count, length)).transpose(1, 2).flatten(0, 1)
+
+
+def _untiles(x: torch.Tensor, count: int) -> torch.Tensor:
+    """Inverse of :func:`_tiles`: ``[B * count, H, length, ...]`` -> ``[B, H, count * length, ...]``."""
+    return x.unflatten(0, (-1, count)).transpose(1, 2).flatten(2, 3)
+
+
+def _flash_block(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str, scale: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU flash attention of ``q [N, Hq, T, D]`` over one key block ``k/v [N, Hkv, S, D]``.
+
+    Returns:
+        ``(out [N, Hq, T, D], lse [N, Hq, T])``.
+    """
+    if mask == "reversed":
+        out, lse = _CPU_FLASH(q.flip(2), k.flip(2), v.flip(2), 0.0, True, scale=scale)
+        return out.flip(2), lse.flip(2)
+    return _CPU_FLASH(q, k, v, 0.0, mask == "causal", scale=scale)
+
+
+def _flash_block_backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    mask: str,
+    scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of one key block given the *merged* ``out [N, Hq, T, D]`` and ``lse [N, Hq, T]``."""
+    if mask == "reversed":  # flip every row-indexed tensor and the keys, as in forward; flip the gradients back
+        flipped = (t.flip(2) for t in (grad, q, k, v, out, lse))
+        return tuple(g.flip(2) for g in _CPU_FLASH_BACKWARD(*flipped, 0.0, True, scale=scale))
+    return _CPU_FLASH_BACKWARD(grad, q, k, v, out, lse, 0.0, mask == "causal", scale=scale)
+
+
+def _merge_blocks(parts: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Merge partial softmaxes ``(out [N, H, T, D], lse [N, H, T])`` over disjoint key blocks into ``(out, lse)``."""
+    if len(parts) == 1:
+        return parts[0][0].to(dtype), parts[0][1]
+    lse = torch.stack([lse for _, lse in parts]).logsumexp(dim=0)
+    out = sum(torch.exp(part_lse - lse).unsqueeze(-1) * part for part, part_lse in parts)
+    return out.to(dtype), lse
+
+
+class _SlidingWindow(torch.autograd.Function):
+    """Bottom-right sliding-window attention of ``q [B, Hq, Q, D]`` over ``k/v [B, Hkv, P + Q, D]`` without a
+    mask (CPU): row ``i`` sees keys ``(P + i - W, P + i]``.
+
+    Rows are cut into tiles of ``W - 1`` (:func:`_window_runs`); each tile attends at most three key blocks
+    with mask-free flash calls (:func:`_window_tile`), merged through their log-sum-exps, and tiles of one
+    shape share one call per block (stacked in the batch dim). Backward calls the flash backward per block
+    with the merged output and log-sum-exp, like :class:`_PrefixThenCausal`. Work is about ``W`` keys per row
+    (the flash kernel skips the masked halves); only q/k/v, the output and ``lse [B, Hq, Q]`` are saved.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float | None
+    ) -> torch.Tensor:
+        runs = _window_runs(q.shape[2], k.shape[2], window)
+        outs, lses = [], []
+        for run in runs:
+            q_tiles = _tiles(q, run.first_row, run.rows, run.count)
+            parts = [
+                _flash_block(q_tiles, *(_tiles(x, b.start, b.length, run.count) for x in (k, v)), b.mask, scale)
+                for b in run.blocks
+            ]
+            out, lse = _merge_blocks(parts, q.dtype)
+            outs.append(_untiles(out, run.count))
+            lses.append(_untiles(lse, run.count))
+        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.runs = scale, runs
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        grad = grad.contiguous()
+        # A key gets gradient from two tiles: accumulate in at least fp32 so half precision rounds once.
+        acc = torch.promote_types(k.dtype, torch.float32)
+        dq = torch.empty_like(q)
+        dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (k, v))
+        for run in ctx.runs:
+            rows = (_tiles(x, run.first_row, run.rows, run.count) for x in (grad, q, out, lse))
+            g_t, q_t, o_t, l_t = rows
+            dq_t = None
+            for b in run.blocks:
+                k_t, v_t = (_tiles(x, b.start, b.length, run.count) for x in (k, v))
+                gq, gk, gv = _flash_block_backward(g_t, q_t, k_t, v_t, o_t, l_t, b.mask, ctx.scale)
+                dq_t = gq if dq_t is None else dq_t + gq
+                dk[:, :, b.start : b.start + run.count * b.length] += _untiles(gk, run.count)
+                dv[:, :, b.start : b.start + run.count * b.length] += _untiles(gv, run.count)
+            dq[:, :, run.first_row : run.first_row + run.count * run.rows] = _untiles(dq_t, run.count)
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def _bottom_right_window(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, dropout_p: float, window: int
+) -> torch.Tensor:
+    """Segments ``q [B, Hq, Q, D]`` whose rows are the last ``Q`` of ``k [B, Hkv, K, D]``, sliding ``window < K``.
+
+    On CPU without dropout (and ``Dv == D``, ``window >= 2``): :class:`_SlidingWindow` (no mask); elsewhere
+    :func:`_masked_tiles`. ``window == 1`` (each row sees itself) has no tile of ``window - 1`` rows.
+    """
+    fused = _CPU_FLASH is not None and _CPU_FLASH_BACKWARD is not None
+    if q.device.type == "cpu" and dropout_p == 0.0 and fused and v.shape[3] == q.shape[3] and window >= 2:
+        return _SlidingWindow.apply(q, k, v, window, scale)
+    return _masked_tiles(q, k, v, scale, dropout_p, PLAIN, window)
+
+
 def _masked_tiles(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -543,8 +730,10 @@ def _sdpa_varlen(
         qb, kb, vb = (_stacked(parts, batch.indices) for parts in (qs, ks, vs))
         # A window at least as long as the segment's keys hides nothing: plain causal.
         window = meta.window if meta.window is not None and meta.window < batch.k_len else None
-        if explicit or window is not None:
+        if explicit:
             ob = _masked_tiles(qb, kb, vb, scale, dropout_p, variant, window)
+        elif window is not None:
+            ob = _bottom_right_window(qb, kb, vb, scale, dropout_p, window)
         elif batch.k_len == batch.q_len:
             ob = TORCH_SDPA(qb, kb, vb, is_causal=True, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
         else:
