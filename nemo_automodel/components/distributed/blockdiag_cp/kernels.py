@@ -420,11 +420,9 @@ class _PrefixThenCausal(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
         prefix = k.shape[2] - q.shape[2]
-        blocks = ((slice(0, prefix), False), (slice(prefix, k.shape[2]), True))
-        parts = [_CPU_FLASH(q, k[:, :, keys], v[:, :, keys], 0.0, causal, scale=scale) for keys, causal in blocks]
-        (o1, l1), (o2, l2) = parts
-        lse = torch.logaddexp(l1, l2)
-        out = (torch.exp(l1 - lse).unsqueeze(-1) * o1 + torch.exp(l2 - lse).unsqueeze(-1) * o2).to(q.dtype)
+        blocks = (_KeyBlock(0, prefix, "none"), _KeyBlock(prefix, q.shape[2], "causal"))
+        parts = [_flash_block(q, *_block_keys(k, v, block), block.mask, scale) for block in blocks]
+        out, lse = _merge_blocks(parts, q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale, ctx.blocks = scale, blocks
         return out
@@ -433,15 +431,18 @@ class _PrefixThenCausal(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         grad = grad.contiguous()
-        dqs, dks, dvs = [], [], []
-        for keys, causal in ctx.blocks:
-            gq, gk, gv = _CPU_FLASH_BACKWARD(
-                grad, q, k[:, :, keys], v[:, :, keys], out, lse, 0.0, causal, scale=ctx.scale
-            )
-            dqs.append(gq)
-            dks.append(gk)
-            dvs.append(gv)
-        return dqs[0] + dqs[1], torch.cat(dks, dim=2), torch.cat(dvs, dim=2), None
+        grads = [
+            _flash_block_backward(grad, q, *_block_keys(k, v, block), out, lse, block.mask, ctx.scale)
+            for block in ctx.blocks
+        ]
+        dq = sum(g[0] for g in grads)
+        return dq, torch.cat([g[1] for g in grads], dim=2), torch.cat([g[2] for g in grads], dim=2), None
+
+
+def _block_keys(k: torch.Tensor, v: torch.Tensor, block: _KeyBlock) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values ``[B, Hkv, length, D]`` of one key block."""
+    keys = slice(block.start, block.start + block.length)
+    return k[:, :, keys], v[:, :, keys]
 
 
 def _bottom_right_causal(
