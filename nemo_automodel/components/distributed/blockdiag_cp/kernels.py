@@ -715,7 +715,9 @@ def _sdpa_varlen(
     """Per-document SDPA; segments of the same shape share one batched call.
 
     Square segments (keys start at their first row) run as ``is_causal`` SDPA,
-    segments with earlier keys as :func:`_bottom_right_causal`; either way
+    segments with earlier keys as :func:`_bottom_right_causal`, segments whose
+    sliding window is shorter than their keys as :func:`_bottom_right_window`,
+    and soft-cap or sinks (which SDPA cannot express) as :func:`_masked_tiles`;
     memory stays O(tokens) (the fused kernels skip the masked half), and on
     short rows with many same-shape segments the per-call overhead is paid
     once per shape, not per segment.
