@@ -55,7 +55,7 @@ from nemo_automodel.components.distributed.blockdiag_cp import (
     exchange_stats,
     make_cp_blockdiag_batch_and_ctx,
 )
-from nemo_automodel.components.distributed.blockdiag_cp.layout import doc_runs_from_lengths, make_shard_plan
+from nemo_automodel.components.distributed.blockdiag_cp.layout import balance, doc_runs_from_lengths, make_shard_plan
 from nemo_automodel.components.distributed.blockdiag_cp.runtime import reset_exchange_stats
 
 BASELINE = ("contiguous", "allgather", "dense")
@@ -311,9 +311,9 @@ def _worker(
             row.update(_predicted_s(block, work, st.cache.windows[None].segments))
     # shard.layout is the resolved one (``auto`` picks contiguous or balanced per step)
     plan = make_shard_plan(doc_runs_from_lengths(list(work.doc_lens), shard.padded_seq_len), work.cp, shard.layout)
-    row.update(
-        peak_rss_mib=_rss_mib(), lower_bound=plan.segments(rank, work.window).remote_kv_tokens, balance=plan.balance
-    )
+    bound = plan.segments(rank, work.window).remote_kv_tokens
+    work_balance = balance([seg.attention_work for seg in plan.windowed_segments(work.window)])  # windows too
+    row.update(peak_rss_mib=_rss_mib(), lower_bound=bound, balance=work_balance)
     results.put(row)
     dist.destroy_process_group()
 
