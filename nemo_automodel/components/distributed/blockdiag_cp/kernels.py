@@ -372,7 +372,7 @@ def _dense(
     Soft-cap and sinks, which SDPA cannot express, use explicit scores over the same mask.
     """
     rows = q if meta.n_real == q.shape[2] else q[:, :, : meta.n_real]
-    if variant.softcap is not None or variant.sinks is not None:
+    if variant.scores_changed:
         allowed = _dense_mask(meta, torch.bool, q.device)
         return _pad_rows(explicit_attention(rows, k, v, allowed, scale, dropout_p, variant), meta.local_len)
     gqa = q.shape[1] != k.shape[1]
@@ -445,6 +445,12 @@ def _block_keys(k: torch.Tensor, v: torch.Tensor, block: _KeyBlock) -> tuple[tor
     return k[:, :, keys], v[:, :, keys]
 
 
+def _cpu_flash_applies(q: torch.Tensor, v: torch.Tensor, dropout_p: float) -> bool:
+    """Whether torch's private CPU flash ops can serve the mask-free paths: CPU, no dropout, ``Dv == D``."""
+    fused = _CPU_FLASH is not None and _CPU_FLASH_BACKWARD is not None
+    return fused and q.device.type == "cpu" and dropout_p == 0.0 and v.shape[3] == q.shape[3]
+
+
 def _bottom_right_causal(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, dropout_p: float
 ) -> torch.Tensor:
@@ -454,8 +460,7 @@ def _bottom_right_causal(
     top-left) does not fit. On CPU without dropout: :class:`_PrefixThenCausal`
     (no mask); elsewhere :func:`_masked_tiles`.
     """
-    fused = _CPU_FLASH is not None and _CPU_FLASH_BACKWARD is not None
-    if q.device.type == "cpu" and dropout_p == 0.0 and fused and v.shape[3] == q.shape[3]:  # its flash op: Dv == D
+    if _cpu_flash_applies(q, v, dropout_p):
         return _PrefixThenCausal.apply(q, k, v, scale)
     return _masked_tiles(q, k, v, scale, dropout_p, PLAIN, None)
 
@@ -641,8 +646,7 @@ def _bottom_right_window(
     On CPU without dropout (and ``Dv == D``, ``window >= 2``): :class:`_SlidingWindow` (no mask); elsewhere
     :func:`_masked_tiles`. ``window == 1`` (each row sees itself) has no tile of ``window - 1`` rows.
     """
-    fused = _CPU_FLASH is not None and _CPU_FLASH_BACKWARD is not None
-    if q.device.type == "cpu" and dropout_p == 0.0 and fused and v.shape[3] == q.shape[3] and window >= 2:
+    if _cpu_flash_applies(q, v, dropout_p) and window >= 2:
         return _SlidingWindow.apply(q, k, v, window, scale)
     return _masked_tiles(q, k, v, scale, dropout_p, PLAIN, window)
 
@@ -672,7 +676,7 @@ def _masked_tiles(
     span = k_len if window is None else min(k_len, window - 1 + _TILE_ROWS)  # keys a tile reads, at most
     rows = max(1, min(q_len, _TILE_ROWS, _MASK_BUDGET // span))
     recompute = torch.is_grad_enabled() and q_len * span > _MASK_BUDGET
-    explicit = variant.softcap is not None or variant.sinks is not None
+    explicit = variant.scores_changed
 
     def tile(
         q_rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first_row: int, first_key: int
@@ -723,7 +727,7 @@ def _sdpa_varlen(
     once per shape, not per segment.
     """
     gqa = q.shape[1] != k.shape[1]
-    explicit = variant.softcap is not None or variant.sinks is not None
+    explicit = variant.scores_changed
     # One split per tensor, not a slice per segment: autograd fills one zero gradient per slice.
     padding = q.shape[2] - meta.n_real
     qs = q.split([*meta.q_lens, padding], dim=2)
@@ -1081,6 +1085,5 @@ def blockdiag_attention(
     if meta.window != variant.window:
         raise ValueError(f"internal error: metadata for window {meta.window} used for window {variant.window}")
     if meta.n_real == 0:
-        deps = (k, v) if variant.sinks is None else (k, v, variant.sinks)
-        return zeros_attached(q, *deps, width=v.shape[3])
+        return zeros_attached(q, k, v, *variant.tensors, width=v.shape[3])
     return KERNELS[kernel].fn(q, k, v, meta, scale, dropout_p, variant)

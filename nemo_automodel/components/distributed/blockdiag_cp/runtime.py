@@ -349,8 +349,7 @@ def _run_group(
         return kernels.blockdiag_attention(kernel, q, k, v, group.meta, scale, dropout_p, call_variant)
 
     describe = f"kernel={kernel} {group.label}"
-    sinks = () if variant.sinks is None else (variant.sinks,)
-    return consensus.guarded(attend, recorder, describe, query, key, value, *sinks)
+    return consensus.guarded(attend, recorder, describe, query, key, value, *variant.tensors)
 
 
 def _query_parts(plan: WindowPlan, query: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -410,8 +409,7 @@ def _attend(
     parts = [] if received is None else [exchange.anchor_like(query.shape[1], value.shape[3], received)]
     if padding.shape[2] or not outputs:
         # keeps sinks in the graph on a rank with no real rows: its (zero) gradient is defined on every rank
-        sinks = () if variant.sinks is None else (variant.sinks,)
-        outputs.append(kernels.zeros_attached(padding, *sinks, width=value.shape[3]))
+        outputs.append(kernels.zeros_attached(padding, *variant.tensors, width=value.shape[3]))
     parts += outputs
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
     if plan.merge_index is not None:

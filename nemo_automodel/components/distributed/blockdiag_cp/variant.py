@@ -67,6 +67,16 @@ class AttentionVariant:
         return self.window is None and self.softcap is None and self.sinks is None
 
     @property
+    def scores_changed(self) -> bool:
+        """True when the softmax itself changes (soft-cap or sinks): SDPA-style kernels cannot express it."""
+        return self.softcap is not None or self.sinks is not None
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The variant's differentiable inputs (the sinks, if any): kernels and guards keep them in the graph."""
+        return () if self.sinks is None else (self.sinks,)
+
+    @property
     def key(self) -> tuple[int | None, bool, bool]:
         """What kernel choice and plans depend on: ``(window, has softcap, has sinks)``."""
         return self.window, self.softcap is not None, self.sinks is not None
