@@ -786,6 +786,10 @@ def te_fused_problem(te: TEFacts, device: DeviceFacts, call: KernelCall) -> str 
         return f"bottom-right THD with dropout needs {need}" if dropout else f"needs cuDNN >= 9.6, got {dotted(cudnn)}"
     if call.variant.window is not None and (dropout or (capability >= (10, 0) and cudnn <= CUDNN_ANY_LENGTH)):
         return "cuDNN's sliding window needs no dropout (and cuDNN > 9.7 on sm100+)"
+    if call.variant.window is not None and cudnn[:3] == (9, 14, 0) and te.version >= (2, 10):
+        # fused_attn.cpp (2.10+): no backend for a window with a non-causal-only mask above 1024 keys; the
+        # key count is the step's, so the window is refused at any length (conservative)
+        return "TE excludes cuDNN 9.14.0 for sliding windows above 1024 keys"
     if cudnn[:3] in CUDNN_BROKEN:
         return f"cuDNN {dotted(cudnn)} has known SDPA bugs (TE >= 2.6 excludes 9.10.0/9.10.1)"
     if capability == (12, 0) and cudnn < CUDNN_SM120_THD:

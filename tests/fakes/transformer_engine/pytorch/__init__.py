@@ -193,7 +193,7 @@ def _fused_serves(cc, d, dv, max_q, max_kv, qkv_format, left, dropout, same_head
             TE >= (2, 2) and cv >= 90700 and max_q <= max_kv
         )
     window = left == -1 or (cv >= 90600 and (sm < 100 or cv > 90700) and max_q <= max_kv and dropout == 0)
-    broken = TE >= (2, 6) and cv in (91000, 91001)
+    broken = (TE >= (2, 6) and cv in (91000, 91001)) or (TE >= (2, 10) and cv == 91400 and left != -1 and max_kv > 1024)
     blackwell_determinism = TE < (2, 12) or sm < 100 or not deterministic or (cv >= 91801 and dropout == 0)
     sm120 = not (TE >= (2, 14) and sm == 120 and cv < 91801)
     return arch and heads and fmt and mask and window and not broken and blackwell_determinism and sm120
