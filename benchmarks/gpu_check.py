@@ -125,7 +125,11 @@ class Row:
 
 @dataclass(frozen=True)
 class Task:
-    """A row still to measure: ``run()`` returns ``(result, detail)``; ``gpu`` rows need this process's CUDA."""
+    """A row still to measure: ``run()`` returns ``(result, detail)``.
+
+    ``gpu``: the row needs this process's CUDA context (every GPU kernel's row, also when the
+    stand-ins run them on CPU), so a lost context skips it.
+    """
 
     section: str
     kernel: str

@@ -323,6 +323,29 @@ def _flash_family(
     return _from_thd(out, q.shape[1], meta.local_len)
 
 
+def _flash_library(
+    library: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: VarlenMeta,
+    scale: float | None,
+    dropout_p: float,
+    variant: AttentionVariant,
+) -> torch.Tensor:
+    """``flash`` or ``fa3``: the probed library's functions through :func:`_flash_family`, features re-checked."""
+    libs = probe_gpu_libraries(q.device)
+    facts, variant_check = (
+        (libs.flash, flash_variant_problem) if library == "flash" else (libs.fa3, fa3_variant_problem)
+    )
+    _require(None if variant.plain else variant_check(_call_of(q, v, dropout_p, variant), libs))
+    if library == "fa3" and dropout_p > 0:
+        raise ValueError("fa3 has no dropout; attn_backend='fa3' needs dropout_p=0")
+    _require(facts.problem)
+    functions = FlashFunctions(facts.fixed, facts.varlen, takes_dropout=library == "flash")
+    return _flash_family(q, k, v, meta, scale, dropout_p, variant, functions)
+
+
 def flash(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -333,11 +356,7 @@ def flash(
     variant: AttentionVariant = PLAIN,
 ) -> torch.Tensor:
     """flash-attn 2: ``flash_attn_varlen_func`` with ``causal=True`` (bottom-right), boundary-guarded."""
-    libs = probe_gpu_libraries(q.device)
-    _require(flash_variant_problem(_call_of(q, v, dropout_p, variant), libs) if not variant.plain else None)
-    _require(libs.flash.problem)
-    functions = FlashFunctions(libs.flash.fixed, libs.flash.varlen, takes_dropout=True)
-    return _flash_family(q, k, v, meta, scale, dropout_p, variant, functions)
+    return _flash_library("flash", q, k, v, meta, scale, dropout_p, variant)
 
 
 def fa3(
@@ -350,13 +369,7 @@ def fa3(
     variant: AttentionVariant = PLAIN,
 ) -> torch.Tensor:
     """FlashAttention-3 varlen with ``causal=True`` (bottom-right), boundary-guarded like ``flash``."""
-    libs = probe_gpu_libraries(q.device)
-    _require(fa3_variant_problem(_call_of(q, v, dropout_p, variant), libs) if not variant.plain else None)
-    if dropout_p > 0:
-        raise ValueError("fa3 has no dropout; attn_backend='fa3' needs dropout_p=0")
-    _require(libs.fa3.problem)
-    functions = FlashFunctions(libs.fa3.fixed, libs.fa3.varlen, takes_dropout=False)
-    return _flash_family(q, k, v, meta, scale, dropout_p, variant, functions)
+    return _flash_library("fa3", q, k, v, meta, scale, dropout_p, variant)
 
 
 # ---------------------------------------------------------------------------

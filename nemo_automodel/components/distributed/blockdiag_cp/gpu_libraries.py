@@ -47,7 +47,6 @@ MAX_HEAD_DIM = 256  # flash-attn 2, FA3 and torch's bundled flash-attn
 
 TE_MIN = (1, 9)  # the first TE with padding_causal_bottom_right (pytorch/constants.py)
 TE_KV_CHANNELS_PAIR = (1, 10)  # DotProductAttention(kv_channels=(D, Dv)) for a value head dim of its own
-TE_FLASH_RANGE_GRACEFUL = (1, 12)  # before: flash-attn is required at import and its range asserted in __init__
 TE_FUSED_BOTTOM_RIGHT = (2, 0)  # fused_attn.cpp: padding_causal_bottom_right from 2.0 (cuDNN 9.6, %64, no dropout)
 TE_FUSED_ANY_LENGTH = (2, 2)  # ... and the cuDNN 9.7 clause (any length, dropout) from 2.2
 TE_FUSED_HEAD_DIMS_BY_ARCH = (2, 5)  # per-architecture head-dim clauses of nvte_get_fused_attn_backend
@@ -779,11 +778,10 @@ def te_fused_problem(te: TEFacts, device: DeviceFacts, call: KernelCall) -> str 
         return f"TE {dotted(te.version)} has no cuDNN padding_causal_bottom_right (from 2.0)"
     dropout = call.dropout_p > 0
     any_length = te.version >= TE_FUSED_ANY_LENGTH and cudnn >= CUDNN_ANY_LENGTH
-    if not any_length and (cudnn < CUDNN_THD_BOTTOM_RIGHT or dropout):
-        need = (
-            "cuDNN >= 9.7" if te.version >= TE_FUSED_ANY_LENGTH else f"TE >= {dotted(TE_FUSED_ANY_LENGTH)} + cuDNN 9.7"
-        )
-        return f"bottom-right THD with dropout needs {need}" if dropout else f"needs cuDNN >= 9.6, got {dotted(cudnn)}"
+    if not any_length and cudnn < CUDNN_THD_BOTTOM_RIGHT:
+        return f"bottom-right THD needs cuDNN >= 9.6, got {dotted(cudnn)}"
+    if not any_length and dropout:  # the 9.6 clause has no dropout; the 9.7 one is TE >= 2.2's
+        return f"bottom-right THD with dropout needs TE >= {dotted(TE_FUSED_ANY_LENGTH)} and cuDNN >= 9.7"
     if call.variant.window is not None and (dropout or (capability >= (10, 0) and cudnn <= CUDNN_ANY_LENGTH)):
         return "cuDNN's sliding window needs no dropout (and cuDNN > 9.7 on sm100+)"
     if call.variant.window is not None and cudnn[:3] == (9, 14, 0) and te.version >= (2, 10):
@@ -794,7 +792,7 @@ def te_fused_problem(te: TEFacts, device: DeviceFacts, call: KernelCall) -> str 
         return f"cuDNN {dotted(cudnn)} has known SDPA bugs (TE >= 2.6 excludes 9.10.0/9.10.1)"
     if capability == (12, 0) and cudnn < CUDNN_SM120_THD:
         return f"cuDNN < {dotted(CUDNN_SM120_THD)} does not run sm120"
-    if capability >= (10, 0) and te.deterministic and (cudnn < CUDNN_SM120_THD or dropout):
+    if capability >= (10, 0) and te.deterministic and te.version >= (2, 12) and (cudnn < CUDNN_SM120_THD or dropout):
         return "deterministic backward on Blackwell needs cuDNN 9.18.1 and no dropout"
     return _te_fused_head_dim_problem(te, capability, call)
 
