@@ -487,7 +487,8 @@ def tflops_tasks(device: torch.device, iters: int, sizes: tuple[int, ...]) -> It
         lengths = sft_mix(total, seed=3)
         for kernel in KERNELS:
             run = functools.partial(_tflops_row, kernel, lengths, iters, device)
-            yield Task("tflops", kernel, "bf16", f"{total // 1024}K ({len(lengths)} docs)", run)
+            gpu = kernel in GPU_KERNELS or device.type == "cuda"
+            yield Task("tflops", kernel, "bf16", f"{total // 1024}K ({len(lengths)} docs)", run, gpu=gpu)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 

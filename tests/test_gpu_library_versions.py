@@ -60,6 +60,62 @@ def _calls():
     return importlib.import_module("fake_varlen_core").CALLS
 
 
+# ----------------------------------------------------------------------------- the stand-ins' signatures per release
+
+# hopper/flash_attn_interface.py at each era's commit (git history of Dao-AILab/flash-attention), and
+# torch/nn/attention/varlen.py of the torch 2.10.0 and 2.11.0 wheels: parameter for parameter.
+FA3_SIGNATURES = {
+    "2024-08": (  # 7b4e68e0
+        "q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, causal=False, "
+        "window_size=(-1, -1), deterministic=False, seqused_q=None, seqused_k=None",
+        "q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), deterministic=False, descale_q=None, "
+        "descale_k=None, descale_v=None",
+    ),
+    "2025-01": (  # 7a802796
+        "q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, "
+        "causal=False, q_descale=None, k_descale=None, v_descale=None, window_size=(-1, -1), sink_token_length=0, "
+        "softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False, sm_margin=0",
+        "q, k, v, softmax_scale=None, causal=False, q_descale=None, k_descale=None, v_descale=None, "
+        "window_size=(-1, -1), sink_token_length=0, softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False, "
+        "sm_margin=0",
+    ),
+    "2025-04": (  # 909eb7ce (and v2.8.3)
+        "q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None, seqused_k=None, "
+        "softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None, v_descale=None, "
+        "window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False, "
+        "sm_margin=0",
+        "q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None, v_descale=None, "
+        "window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False, "
+        "sm_margin=0",
+    ),
+}
+TORCH_VARLEN_SIGNATURES = {
+    "2.10": "query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None",
+    "2.11": "query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)",
+}
+
+
+def _spelled(fn) -> str:
+    import inspect
+
+    return str(inspect.signature(fn))[1:-1]
+
+
+@pytest.mark.parametrize("era", FA3_SIGNATURES)
+def test_fa3_stand_in_signatures_are_each_eras(era):
+    with fake_kernels(Machine(fa3=era)):
+        fa3 = importlib.import_module("flash_attn_interface")
+        assert (_spelled(fa3.flash_attn_varlen_func), _spelled(fa3.flash_attn_func)) == FA3_SIGNATURES[era]
+
+
+@pytest.mark.parametrize("era", TORCH_VARLEN_SIGNATURES)
+def test_torch_varlen_stand_in_signatures_are_each_releases(era):
+    with fake_kernels(Machine(torch_varlen=era)):
+        from torch.nn.attention import varlen
+
+        assert _spelled(varlen.varlen_attn) == TORCH_VARLEN_SIGNATURES[era]
+
+
 # ----------------------------------------------------------------------------- 1. flash-attn 2.6.0/2.6.1 soft-cap
 
 
