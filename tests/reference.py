@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -60,3 +62,40 @@ def doc_ids_from_lengths(lengths: list[int], total: int) -> torch.Tensor:
         ids[pos : pos + n] = i + 1
         pos += n
     return ids[None]
+
+
+def segments_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: Any,
+    *,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """``q [1, Hq, L, D]`` over packed ``k [1, Hkv, K, D]``, ``v [1, Hkv, K, Dv]`` -> ``[1, Hq, L, Dv]`` in float64.
+
+    ``meta`` is the group's :class:`~nemo_automodel.components.distributed.blockdiag_cp.kernels.VarlenMeta`;
+    rows past ``n_real`` are zero.
+
+    Written from the variant's definition, not from any library's parameters: the
+    ``q_len`` rows of a segment are the last of its ``k_len`` keys, so row ``a`` is
+    key position ``i = k_len - q_len + a``; it attends keys ``j`` with ``i - W < j <= i``.
+    Scores are scaled, soft-capped (``c * tanh(s / c)``), masked, then softmaxed.
+    """
+    rep = q.shape[1] // k.shape[1]
+    pieces = []
+    for q0, q_len, k0, k_len in meta.segments():
+        i = torch.arange(k_len - q_len, k_len)[:, None]
+        j = torch.arange(k_len)[None, :]
+        allowed = (j <= i) & ((i - j < window) if window is not None else True)
+        qs = q[0, :, q0 : q0 + q_len].double()
+        ks = k[0, :, k0 : k0 + k_len].double().repeat_interleave(rep, 0)
+        vs = v[0, :, k0 : k0 + k_len].double().repeat_interleave(rep, 0)
+        scores = qs @ ks.transpose(1, 2) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        pieces.append(torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ vs)
+    out = torch.cat(pieces, dim=1)  # [Hq, n_real, Dv]
+    return torch.nn.functional.pad(out, (0, 0, 0, meta.local_len - meta.n_real))[None]

@@ -20,13 +20,16 @@ import torch
 from nemo_automodel.components.distributed.blockdiag_cp import (
     configure_cp_varlen,
     gpu_kernels,
+    gpu_libraries,
     kernels,
     make_cp_blockdiag_batch_and_ctx,
     state,
 )
+from nemo_automodel.components.distributed.blockdiag_cp.gpu_libraries import KernelCall
 from nemo_automodel.components.distributed.blockdiag_cp.logs import reset_log_once
-from nemo_automodel.components.distributed.blockdiag_cp.variant import PLAIN, AttentionVariant
+from nemo_automodel.components.distributed.blockdiag_cp.variant import AttentionVariant
 from tests.cases import fake_kernels
+from tests.reference import segments_reference
 
 # ----------------------------------------------------------------------------- the real signatures
 
@@ -432,6 +435,15 @@ def _installed(tmp_path: Path, files: dict[str, str]):
         gpu_kernels.reset_caches()
 
 
+def _libraries(device: str = "cpu") -> gpu_libraries.GpuLibraries:
+    return gpu_libraries.probe_gpu_libraries(device)
+
+
+def _flash_reason(call: KernelCall | None = None) -> str | None:
+    libs = _libraries()
+    return gpu_libraries.flash_problem(libs.flash, libs.device, call or KernelCall(torch.bfloat16, 128))
+
+
 _GOOD_FLASH = "__version__ = '{}'\ndef flash_attn_varlen_func(*a, **k): pass\ndef flash_attn_func(*a, **k): pass\n"
 BROKEN_FLASH = {
     "fa4_only_namespace": ({"flash_attn/cute/__init__.py": ""}, "FlashAttention-4 alone installs flash_attn.cute"),
@@ -444,7 +456,8 @@ BROKEN_FLASH = {
         "importing `flash_attn` failed: OSError",
     ),
     "runtime_error": ({"flash_attn/__init__.py": "raise RuntimeError('CUDA driver too old')"}, "RuntimeError"),
-    "version_2_0": ({"flash_attn/__init__.py": _GOOD_FLASH.format("2.0.9")}, "flash-attn 2.0.9 aligns causal masks"),
+    "version_2_0": ({"flash_attn/__init__.py": _GOOD_FLASH.format("2.0.9")}, "flash-attn 2.0.9 is too old"),
+    "version_2_6_1": ({"flash_attn/__init__.py": _GOOD_FLASH.format("2.6.1")}, "soft-cap backward without the tanh"),
 }
 
 
@@ -452,13 +465,14 @@ BROKEN_FLASH = {
 def test_flash_is_unavailable_when_its_import_or_version_fails(tmp_path, case):
     files, needle = BROKEN_FLASH[case]
     with _installed(tmp_path, files):
-        reason = gpu_kernels.flash_environment(torch.device("cpu"), 128, 0.0)
+        reason = _flash_reason()
     assert reason is not None and needle in reason
 
 
-def test_a_working_flash_install_is_available(tmp_path):
-    with _installed(tmp_path, {"flash_attn/__init__.py": _GOOD_FLASH.format("2.8.3.post1")}):
-        assert gpu_kernels.flash_environment(torch.device("cpu"), 128, 0.0) is None
+@pytest.mark.parametrize("version", ["2.6.2", "2.8.3.post1"])
+def test_a_working_flash_install_is_available(tmp_path, version):
+    with _installed(tmp_path, {"flash_attn/__init__.py": _GOOD_FLASH.format(version)}):
+        assert _flash_reason() is None
 
 
 @pytest.mark.parametrize(
@@ -477,22 +491,25 @@ def test_a_working_flash_install_is_available(tmp_path):
 )
 def test_te_is_unavailable_when_its_import_or_version_fails(tmp_path, files, needle):
     with _installed(tmp_path, files):
-        reason = gpu_kernels.te_environment(torch.device("cpu"), 128, 0.0)
+        libs = _libraries()
+        reason = gpu_libraries.te_problem(libs.te, libs.device, KernelCall(torch.bfloat16, 128))
     assert reason is not None and needle in reason
 
 
 def test_fa3_without_a_varlen_function_is_unavailable(tmp_path):
     with _installed(tmp_path, {"flash_attn_interface.py": "def flash_attn_func(*a, **k): pass\n"}):
-        reason = gpu_kernels.fa3_environment(torch.device("cpu"), 128, 0.0)
+        libs = _libraries()
+        reason = gpu_libraries.fa3_problem(libs.fa3, libs.device, KernelCall(torch.bfloat16, 128))
     assert reason is not None and "no flash_attn_varlen_func" in reason
 
 
 @pytest.fixture
 def on_gpu(monkeypatch):
-    """Pretend a CUDA device of a given compute capability (the checks read it through one function)."""
+    """Pretend a CUDA device (compute capability, shared memory); the probe reads it through one function."""
 
-    def pretend(capability):
-        monkeypatch.setattr(gpu_kernels, "device_capability", lambda device: capability)
+    def pretend(capability, smem_optin=227 * 1024):
+        facts = gpu_libraries.DeviceFacts(capability, smem_optin, f"sm{capability[0]}{capability[1]}")
+        monkeypatch.setattr(gpu_libraries, "device_facts", lambda device: facts)
         monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
 
     return pretend
@@ -538,19 +555,44 @@ def test_auto_falls_back_past_a_broken_flash_and_logs_why(tmp_path, on_gpu, case
 
 # ----------------------------------------------------------------------------- availability: device, head dim, dropout
 
+_DEVICES = {
+    "T4": gpu_libraries.DeviceFacts((7, 5), 64 << 10),
+    "A100": gpu_libraries.DeviceFacts((8, 0), 163 << 10),
+    "A10": gpu_libraries.DeviceFacts((8, 6), 99 << 10),
+    "H100": gpu_libraries.DeviceFacts((9, 0), 227 << 10),
+    "B200": gpu_libraries.DeviceFacts((10, 0), 227 << 10),
+}
+
+
+def _flash(version, device, head_dim=128, dropout_p=0.0):
+    flash = gpu_libraries.FlashFacts(None, version)
+    return gpu_libraries.flash_problem(
+        flash, _DEVICES[device], KernelCall(torch.bfloat16, head_dim, dropout_p=dropout_p)
+    )
+
+
+def _fa3(device, head_dim=128):
+    fa3 = gpu_libraries.Fa3Facts(None, frozenset({"softcap"}))
+    return gpu_libraries.fa3_problem(fa3, _DEVICES[device], KernelCall(torch.bfloat16, head_dim))
+
+
+def _limits(limits, head_dim, dropout_p=0.0):
+    return limits(KernelCall(torch.bfloat16, head_dim, dropout_p=dropout_p))
+
 
 @pytest.mark.parametrize(
     ("check", "needle"),
     [
-        (lambda: gpu_kernels.flash_hardware_problem((2, 8, 3), (7, 5), 128, 0.0), "needs an Ampere or newer GPU"),
-        (lambda: gpu_kernels.flash_hardware_problem((2, 7, 2), (10, 0), 128, 0.0), "predates Blackwell"),
-        (lambda: gpu_kernels.flash_hardware_problem((2, 8, 3), (8, 6), 256, 0.1), "no kernel on sm86"),
-        (lambda: gpu_kernels.flash_limits(288, 0.0), "head dims up to 256, got 288"),
-        (lambda: gpu_kernels.fa3_limits(96, 0.1), "fa3 has no dropout"),
-        (lambda: gpu_kernels.fa3_limits(100, 0.0), "multiple of 8 and at most 256, got 100"),
-        (lambda: gpu_kernels.fa3_hardware_problem((8, 0)), "Hopper"),
-        (lambda: gpu_kernels.torch_varlen_limits(128, 0.1), "torch_varlen has no dropout"),
-        (lambda: gpu_kernels.torch_varlen_limits(512, 0.0), "head dims up to 256, got 512"),
+        (lambda: _flash((2, 8, 3), "T4"), "needs an Ampere or newer GPU"),
+        (lambda: _flash((2, 7, 2), "B200"), "predates Blackwell"),
+        (lambda: _flash((2, 8, 3), "A10", 256, 0.1), "no kernel below 144 KB"),
+        (lambda: _limits(gpu_libraries.flash_limits, 288), "head dims up to 256, got 288"),
+        (lambda: _limits(gpu_libraries.fa3_limits, 96, 0.1), "fa3 has no dropout"),
+        (lambda: _limits(gpu_libraries.fa3_limits, 100), "multiple of 8 and at most 256, got 100"),
+        (lambda: _fa3("A100"), "Hopper"),
+        (lambda: _limits(gpu_libraries.torch_varlen_limits, 128, 0.1), "torch_varlen has no dropout"),
+        (lambda: _limits(gpu_libraries.torch_varlen_limits, 512), "head dims up to 256, got 512"),
+        (lambda: _limits(gpu_libraries.torch_varlen_limits, 12), "multiple of 8"),
     ],
 )
 def test_library_limits_name_the_problem(check, needle):
@@ -559,40 +601,17 @@ def test_library_limits_name_the_problem(check, needle):
 
 
 @pytest.mark.parametrize(
-    ("check", "ok"),
+    "check",
     [
-        (lambda: gpu_kernels.flash_hardware_problem((2, 8, 3), (8, 0), 256, 0.1), True),  # A100 has the smem
-        (lambda: gpu_kernels.flash_hardware_problem((2, 8, 3), (8, 6), 256, 0.0), True),  # no dropout: a kernel
-        (lambda: gpu_kernels.flash_hardware_problem((2, 7, 3), (10, 0), 128, 0.0), True),
-        (lambda: gpu_kernels.fa3_hardware_problem((9, 0)), True),
-        (lambda: gpu_kernels.fa3_limits(128, 0.0), True),
+        lambda: _flash((2, 8, 3), "A100", 256, 0.1),  # A100 has the shared memory
+        lambda: _flash((2, 8, 3), "A10", 256),  # no dropout: a kernel
+        lambda: _flash((2, 7, 3), "B200"),
+        lambda: _fa3("H100"),
+        lambda: _limits(gpu_libraries.fa3_limits, 128),
     ],
 )
-def test_supported_setups_pass(check, ok):
-    assert (check() is None) == ok
-
-
-_SM80, _SM90 = (8, 0), (9, 0)
-
-
-@pytest.mark.parametrize(
-    ("facts", "env", "want"),
-    [
-        ({"te_version": (2, 10), "te_uses_flash": False, "capability": _SM80, "cudnn": (9, 8, 0)}, {}, ()),
-        ({"te_version": (2, 12), "te_uses_flash": False, "capability": _SM80, "cudnn": (9, 8, 0)}, {}, ("unfused",)),
-        ({"te_version": (2, 10), "te_uses_flash": True, "capability": _SM80, "cudnn": (9, 8, 0)}, {}, ("flash",)),
-        ({"te_version": (2, 10), "te_uses_flash": False, "capability": _SM90, "cudnn": (9, 10, 1)}, {}, ()),
-        ({"te_version": (2, 10), "te_uses_flash": False, "capability": _SM90, "cudnn": (9, 6, 0)}, {}, ()),
-        ({"te_version": (2, 10), "te_uses_flash": False, "capability": _SM90, "cudnn": (9, 10, 2)}, {}, ("fused",)),
-        (
-            {"te_version": (2, 12), "te_uses_flash": True, "capability": _SM90, "cudnn": (9, 8, 0)},
-            {"NVTE_FUSED_ATTN": "0", "NVTE_FLASH_ATTN": "0"},
-            ("unfused",),
-        ),
-    ],
-)
-def test_te_backends_follow_te_backend_selection(facts, env, want):
-    assert gpu_kernels.te_backends(**facts, env=env) == want
+def test_supported_setups_pass(check):
+    assert check() is None
 
 
 def _te_install(version: str, cudnn: tuple[int, int, int]) -> dict[str, str]:
@@ -691,7 +710,7 @@ def test_every_gpu_kernel_computes_a_feature_or_refuses_it_by_name(kernel, kind)
     with fake_kernels():
         spec = kernels.KERNELS[kernel]
         assert spec.variant_problem is not None
-        problem = spec.variant_problem(variant)
+        problem = spec.variant_problem(KernelCall(torch.bfloat16, variant=variant), _libraries())
         assert (problem is None) == (kind in COMPUTES[kernel])
         if problem is not None:
             assert f"{name} ({variant.source}) is not supported by attn_backend={kernel}: " in problem
@@ -723,37 +742,32 @@ def test_the_first_refused_feature_is_named_with_its_source():
     assert gpu_kernels.variant_problem("te", variant, {}) is None
 
 
+def _gaps_fa3(*parameters: str, disabled: str | None = None) -> set[str]:
+    flags = None if disabled is None else frozenset({disabled})
+    return set(gpu_libraries.fa3_gaps(gpu_libraries.Fa3Facts(None, frozenset(parameters), disabled=flags)))
+
+
+def _gaps_torch(*parameters: str) -> set[str]:
+    return set(gpu_libraries.torch_varlen_gaps(gpu_libraries.TorchVarlenFacts(None, frozenset(parameters))))
+
+
 @pytest.mark.parametrize(
     ("gaps", "want"),
     [
-        (lambda: gpu_kernels.flash_variant_gaps((2, 2, 5)), {"window", "softcap", "sinks"}),
-        (lambda: gpu_kernels.flash_variant_gaps((2, 3, 0)), {"softcap", "sinks"}),
-        (lambda: gpu_kernels.flash_variant_gaps((2, 5, 9)), {"softcap", "sinks"}),
-        (lambda: gpu_kernels.flash_variant_gaps((2, 6, 0)), {"sinks"}),
-        (lambda: gpu_kernels.fa3_variant_gaps(frozenset({"q", "causal"})), {"window", "softcap", "sinks"}),
-        (lambda: gpu_kernels.fa3_variant_gaps(frozenset({"window_size"})), {"softcap", "sinks"}),  # 2024-08..2025-01
-        (lambda: gpu_kernels.fa3_variant_gaps(frozenset({"window_size", "softcap"})), {"sinks"}),
-        (lambda: gpu_kernels.te_variant_gaps((1, 13)), {"window", "softcap", "sinks"}),
-        (lambda: gpu_kernels.te_variant_gaps((2, 0)), {"softcap", "sinks"}),
-        (lambda: gpu_kernels.torch_varlen_variant_gaps(frozenset()), {"window", "softcap", "sinks"}),
-        (lambda: gpu_kernels.torch_varlen_variant_gaps(frozenset({"window_size"})), {"softcap", "sinks"}),
+        (lambda: set(gpu_libraries.flash_gaps()), {"sinks"}),
+        (lambda: _gaps_fa3("q", "causal"), {"window", "softcap", "sinks"}),
+        (lambda: _gaps_fa3("window_size"), {"softcap", "sinks"}),  # 2024-08..2025-01
+        (lambda: _gaps_fa3("window_size", "softcap"), {"sinks"}),
+        (lambda: _gaps_fa3("window_size", "softcap", disabled="LOCAL"), {"window", "sinks"}),
+        (lambda: _gaps_fa3("window_size", "softcap", disabled="SOFTCAP"), {"softcap", "sinks"}),
+        (lambda: set(gpu_libraries.te_gaps(gpu_libraries.TEFacts(None, (1, 13)))), {"window", "softcap", "sinks"}),
+        (lambda: set(gpu_libraries.te_gaps(gpu_libraries.TEFacts(None, (2, 0)))), {"softcap", "sinks"}),
+        (lambda: _gaps_torch(), {"window", "softcap", "sinks"}),
+        (lambda: _gaps_torch("window_size"), {"softcap", "sinks"}),
     ],
 )
-def test_features_need_the_release_that_added_them(gaps, want):
-    assert set(gaps()) == want
-
-
-def test_an_installed_flash_too_old_for_windows_refuses_them(tmp_path):
-    """flash-attn 2.2 runs plain causal attention but has no window_size: a window is refused, by name."""
-    variant, name = VARIANTS["window"]
-    with _installed(tmp_path, {"flash_attn/__init__.py": _GOOD_FLASH.format("2.2.5")}):
-        assert kernels.KERNELS["flash"].variant_problem(PLAIN) is None
-        problem = kernels.KERNELS["flash"].variant_problem(variant)
-    assert (
-        problem is not None
-        and f"{name} ({variant.source})" in problem
-        and "flash-attn 2.2.5 has no window_size" in problem
-    )
+def test_features_need_the_release_or_build_that_has_them(gaps, want):
+    assert gaps() == want
 
 
 def test_flash_refuses_softcap_with_dropout_like_flash_attn():
@@ -768,31 +782,6 @@ def test_flash_refuses_softcap_with_dropout_like_flash_attn():
 
 
 # ----------------------------------------------------------------------------- attention variants: computed exactly
-
-
-def _windowed_reference(q, k, v, meta, *, scale, window=None, softcap=None):
-    """``q [1, Hq, L, D]`` over packed ``k/v [1, Hkv, K, D]`` -> ``[1, Hq, L, D]``, float64, zero padding rows.
-
-    Written from the variant's definition, not from any library's parameters: the
-    ``q_len`` rows of a segment are the last of its ``k_len`` keys, so row ``a`` is
-    key position ``i = k_len - q_len + a``; it attends keys ``j`` with ``i - W < j <= i``.
-    Scores are scaled, soft-capped (``c * tanh(s / c)``), masked, then softmaxed.
-    """
-    rep = q.shape[1] // k.shape[1]
-    pieces = []
-    for q0, q_len, k0, k_len in meta.segments():
-        i = torch.arange(k_len - q_len, k_len)[:, None]
-        j = torch.arange(k_len)[None, :]
-        allowed = (j <= i) & ((i - j < window) if window is not None else True)
-        qs = q[0, :, q0 : q0 + q_len].double()
-        ks = k[0, :, k0 : k0 + k_len].double().repeat_interleave(rep, 0)
-        vs = v[0, :, k0 : k0 + k_len].double().repeat_interleave(rep, 0)
-        scores = qs @ ks.transpose(1, 2) * scale
-        if softcap is not None:
-            scores = softcap * torch.tanh(scores / softcap)
-        pieces.append(torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ vs)
-    out = torch.cat(pieces, dim=1)  # [Hq, n_real, D]
-    return torch.nn.functional.pad(out, (0, 0, 0, meta.local_len - meta.n_real))[None]
 
 
 # Kernels x the features they compute: windows narrower than a segment, wider than some,
@@ -818,8 +807,8 @@ def test_gpu_kernels_compute_windows_and_softcaps_exactly(kernel, window, softca
     with fake_kernels():
         assert kernels.kernel_unavailable_reason(kernel, torch.float64, torch.device("cpu"), variant=variant) is None
         got = kernels.blockdiag_attention(kernel, q, k, v, meta, 0.4, 0.0, variant)
-    want = _windowed_reference(q, k, v, meta, scale=0.4, window=window, softcap=softcap)
+    want = segments_reference(q, k, v, meta, scale=0.4, window=window, softcap=softcap)
     _assert_same(got, want, (q, k, v))
     if window is not None and window < 9:  # the window really changed something (not a no-op)
-        plain = _windowed_reference(q, k, v, meta, scale=0.4, softcap=softcap)
+        plain = segments_reference(q, k, v, meta, scale=0.4, softcap=softcap)
         assert not torch.allclose(want, plain)

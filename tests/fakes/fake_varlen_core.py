@@ -41,13 +41,35 @@ def check_dtypes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def check_heads(q_heads: int, k_heads: int, head_dim: int, multiple_of_8: bool) -> None:
-    """Head-count and head-dim checks of flash_api.cpp (FA2 pads the head dim in Python; FA3 does not)."""
+    """Head-count and head-dim checks of flash_api.cpp (FA2 pads the head dim in Python; FA3 and torch do not)."""
     if head_dim > 256:
         raise RuntimeError("FlashAttention forward only supports head dimension at most 256")
     if multiple_of_8 and head_dim % 8:
         raise RuntimeError("head_size should be a multiple of 8")
     if q_heads % k_heads:
         raise RuntimeError("Number of heads in key/value must divide number of heads in query")
+
+
+def check_value_shape(k: torch.Tensor, v: torch.Tensor) -> None:
+    """flash-attn 2 and torch's copy: ``CHECK_SHAPE(v, total_k, num_heads_k, head_size)`` (v's head dim = q's)."""
+    if v.shape != k.shape:
+        raise RuntimeError(f"v must have shape {tuple(k.shape)}")
+
+
+def grads_never_written(out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+    """``out`` whose backward leaves the input gradients unwritten (``torch.empty``): NaN here, garbage on a GPU."""
+    return _Unwritten.apply(out, *inputs)
+
+
+class _Unwritten(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        ctx.shapes = [(t.shape, t.dtype) for t in inputs]
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return (None, *(torch.full(shape, float("nan"), dtype=dtype) for shape, dtype in ctx.shapes))
 
 
 def varlen_segments(
@@ -151,17 +173,41 @@ def attend_backward(
 
     ``dP = dO V^T``, ``dS = P * (dP - rowsum(dO * O))``, ``dQ = scale dS K``, ``dK = scale dS^T Q``, ``dV = P^T dO``.
     """
+    return _backward(dout, q, k, v, segments, scale=scale, left=left, right=right)
+
+
+def _backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segments: list[Segment],
+    *,
+    scale: float,
+    left: int,
+    right: int,
+    probabilities: Any = None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The closed-form backward; ``probabilities(s_raw, segment index)`` replaces ``softmax(scale * s_raw)``.
+
+    ``out`` (the forward's output, as the real kernels save it) gives ``rowsum(dO * O)``; by default it is ``P V``.
+    """
     rep = q.shape[1] // k.shape[1]
     work = _compute_dtype(q.dtype)
     dq, dk, dv = (torch.zeros_like(t, dtype=work) for t in (q, k, v))
-    for q0, q1, k0, k1 in segments:
+    for index, (q0, q1, k0, k1) in enumerate(segments):
         qi = q[q0:q1].transpose(0, 1).to(work)
         ki = k[k0:k1].transpose(0, 1).repeat_interleave(rep, 0).to(work)
         vi = v[k0:k1].transpose(0, 1).repeat_interleave(rep, 0).to(work)
         doi = dout[q0:q1].transpose(0, 1).to(work)
-        s = _scores(qi, ki, scale, 0.0).masked_fill(~visible(q1 - q0, k1 - k0, left, right, q.device), -torch.inf)
-        p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-        ds = p * (doi @ vi.transpose(-1, -2) - (doi * (p @ vi)).sum(-1, keepdim=True))
+        hidden = ~visible(q1 - q0, k1 - k0, left, right, q.device)
+        if probabilities is None:
+            p = torch.softmax(_scores(qi, ki, scale, 0.0).masked_fill(hidden, -torch.inf), dim=-1).nan_to_num(0.0)
+        else:
+            p = probabilities(qi @ ki.transpose(-1, -2), index).masked_fill(hidden, 0.0)
+        oi = p @ vi if out is None else out[q0:q1].transpose(0, 1).to(work)
+        ds = p * (doi @ vi.transpose(-1, -2) - (doi * oi).sum(-1, keepdim=True))
         dq[q0:q1] = (scale * ds @ ki).transpose(0, 1)
         # a key head's gradient sums over the query heads that read it
         dk_i = (scale * ds.transpose(-1, -2) @ qi).unflatten(0, (-1, rep)).sum(1)
@@ -181,3 +227,49 @@ class _GradDropped(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
         return None, None
+
+
+def attend_softcap_backward_without_tanh(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segments: list[Segment],
+    *,
+    scale: float,
+    left: int,
+    right: int,
+    softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash-attn 2.6.0/2.6.1 with ``softcap``: a right forward and the backward those releases compute.
+
+    ``flash_bwd_kernel.h`` has no soft-cap code before 2.6.2, and ``set_params_fprop``
+    sets ``scale_softmax = softcap`` when soft-capping: the backward rebuilds
+    ``P = exp(softcap * Q K^T - lse)`` (no tanh, the wrong scale) and scales dQ/dK by
+    ``softcap``. Nothing raises.
+    """
+    out, lse = attend(q, k, v, segments, scale=scale, left=left, right=right, softcap=softcap)
+    return _NoTanhBackward.apply(out, q, k, v, lse.detach(), segments, softcap, left, right), lse
+
+
+class _NoTanhBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, *args: Any) -> torch.Tensor:
+        q, k, v, lse, segments, softcap, left, right = args
+        ctx.save_for_backward(q, k, v, lse, out.detach())
+        ctx.options = (segments, softcap, left, right)
+        return out.detach().clone()
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v, lse, out = ctx.saved_tensors
+        segments, softcap, left, right = ctx.options
+        work = _compute_dtype(q.dtype)
+
+        def probabilities(s_raw: torch.Tensor, index: int) -> torch.Tensor:
+            q0, q1 = segments[index][:2]
+            return torch.exp(softcap * s_raw - lse[:, q0:q1, None].to(work))
+
+        grads = _backward(
+            dout, q, k, v, segments, scale=softcap, left=left, right=right, probabilities=probabilities, out=out
+        )
+        return (None, *grads, None, None, None, None, None)

@@ -1,16 +1,105 @@
-"""Stand-in for FlashAttention-3's ``flash_attn_interface`` (flash-attention ``hopper/``, main at 0251105a).
+"""Stand-in for FlashAttention-3's ``flash_attn_interface`` (flash-attention ``hopper/``), build ``machine.ACTIVE.fa3``.
 
-Signatures are the real ones with the real defaults (hopper/flash_attn_interface.py:
-``flash_attn_varlen_func`` line 890, ``flash_attn_func`` line 809). FA3 has no
-dropout, does not pad the head dim (``head_size should be a multiple of 8``), and
-returns ``(out, softmax_lse)`` only with ``return_attn_probs=True`` (since
-2025-08-29; 2.8.x has no such parameter and returns ``out``; releases before
-2025-07-11 always returned the pair). Semantics: ``fake_varlen_core``.
+Each build era has its real signatures, parameter for parameter, with the real
+defaults (hopper/flash_attn_interface.py at the commits named in machine.FA3_ERAS;
+main is 0251105a, ``flash_attn_varlen_func`` line 890, ``flash_attn_func`` line 809),
+and the checks of that era's hopper/flash_api.cpp:
+
+- no dropout; ``head_size % 8 == 0`` and ``head_size_v % 8 == 0``, no padding;
+- before 2025-01-07: head dims 64/128/256, equal value head dim; Hopper only until 2025-02-16;
+- a value head dim of its own: forward for D in (128, 192] with Dv in (96, 128] or D <= 64,
+  on Hopper only; backward from 2025-04-24 (before, ``CHECK_SHAPE(v, ..., head_size)``);
+- build flags (``machine.ACTIVE.fa3_disabled``, written to ``flash_attn_config``): ``LOCAL``,
+  ``SOFTCAP``, ``BACKWARD``, ``VARLEN``, ``FP16`` raise; ``HDIM<n>`` removes a head-dim bucket;
+  ``HDIMDIFF64``/``HDIMDIFF192`` leave Dv != D to a kernel of the wrong width (NaN here);
+- returns ``(out, softmax_lse)`` before 2025-07-11, ``out`` after, the pair again with
+  ``return_attn_probs=True`` (main).
+
+Semantics: ``fake_varlen_core``.
 """
 
 from __future__ import annotations
 
-from fake_varlen_core import Segment, attend, check_dtypes, check_heads, record, varlen_segments
+import machine
+import torch
+from fake_varlen_core import (
+    Segment,
+    attend,
+    check_dtypes,
+    check_heads,
+    grads_never_written,
+    record,
+    varlen_segments,
+)
+
+ERA = machine.ACTIVE.fa3
+if ERA is None:
+    raise ModuleNotFoundError("No module named 'flash_attn_interface'", name="flash_attn_interface")
+assert ERA in machine.FA3_ERAS, ERA
+_ORDER = machine.FA3_ERAS.index(ERA)
+_DISABLED = machine.ACTIVE.fa3_disabled if ERA in ("2.8.3", "main") else frozenset()
+_BUCKETS = (64, 96, 128, 192, 256)
+
+
+def _since(era: str) -> bool:
+    return machine.FA3_ERAS.index(era) <= _ORDER
+
+
+def _check_call(q, k, v, head_dim, head_dim_v, dropout, window_size, softcap, varlen):
+    check_dtypes(q, k, v)
+    check_heads(q.shape[-2], k.shape[-2], head_dim, multiple_of_8=True)
+    if head_dim_v % 8:
+        raise RuntimeError("head_size_v should be a multiple of 8")
+    capability = machine.capability()
+    if capability is not None and (capability != (9, 0) if not _since("2025-04") else capability < (8, 0)):
+        raise RuntimeError("FlashAttention only supports Hopper GPUs or newer.")
+    if varlen and "VARLEN" in _DISABLED:
+        raise RuntimeError("This flash attention build does not support varlen.")
+    if q.dtype == torch.float16 and "FP16" in _DISABLED:
+        raise RuntimeError("This flash attention build does not support FP16.")
+    if window_size[0] >= 0 and "LOCAL" in _DISABLED:
+        raise RuntimeError("This flash attention build does not support local attention.")
+    if softcap > 0 and "SOFTCAP" in _DISABLED:
+        raise RuntimeError("This flash attention build does not support tanh softcapping.")
+    if not _since("2025-01"):
+        if head_dim not in (64, 128, 256):
+            raise RuntimeError("Only support head size 64, 128, and 256 for now")
+    elif not any(b >= head_dim and f"HDIM{b}" not in _DISABLED for b in _BUCKETS):
+        raise RuntimeError("FlashAttention forward only supports head dimension at most ...")
+    if head_dim_v != head_dim:
+        if not _since("2025-04"):
+            raise RuntimeError(f"v must have shape (..., {head_dim})")
+        if not ((128 < head_dim <= 192 and 96 < head_dim_v <= 128) or (head_dim <= 64 and head_dim_v <= 512)):
+            raise RuntimeError("If V headdim is different from Q/K dim, we only support ...")
+        if capability is not None and capability[0] != 9:
+            raise RuntimeError("Only Hopper supports different V headdim")
+
+
+def _attend(q, k, v, segments, head_dim, head_dim_v, options):
+    out, lse = attend(q, k, v, segments, **options)
+    if head_dim_v != head_dim:
+        if not _since("2.8.3") or max(head_dim, head_dim_v) > 256:
+            out = _backward_refused(out, q, k, v, f"v must have shape (..., {head_dim})")
+        elif ("HDIMDIFF64" if head_dim <= 64 else "HDIMDIFF192") in _DISABLED:
+            out = grads_never_written(out * float("nan"), q, k, v)
+    if "BACKWARD" in _DISABLED:
+        out = _backward_refused(out, q, k, v, "This flash attention build does not support backward.")
+    return out, lse
+
+
+def _backward_refused(out: torch.Tensor, q, k, v, message: str) -> torch.Tensor:
+    return _Refused.apply(out, message, q, k, v)
+
+
+class _Refused(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, message, *inputs):
+        ctx.message = message
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(ctx.message)
 
 
 def _options(softmax_scale, causal, window_size, softcap, head_dim, unsupported):
@@ -23,7 +112,184 @@ def _options(softmax_scale, causal, window_size, softcap, head_dim, unsupported)
     return {"scale": scale, "left": left, "right": right, "softcap": softcap}
 
 
-def flash_attn_varlen_func(
+def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, unsupported, **kw):
+    window_size, softcap = kw.get("window_size", (-1, -1)), kw.get("softcap", 0.0)
+    _check_call(q, k, v, q.shape[2], v.shape[2], 0.0, window_size, softcap, varlen=True)
+    segments = varlen_segments(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+    options = _options(kw.get("softmax_scale"), kw.get("causal", False), window_size, softcap, q.shape[2], unsupported)
+    record("fa3.flash_attn_varlen_func", segments, causal=kw.get("causal", False), **options)
+    return _attend(q, k, v, segments, q.shape[2], v.shape[2], options)
+
+
+def _fixed(q, k, v, unsupported, **kw):
+    window_size, softcap = kw.get("window_size", (-1, -1)), kw.get("softcap", 0.0)
+    _check_call(q, k, v, q.shape[3], v.shape[3], 0.0, window_size, softcap, varlen=False)
+    b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+    segments: list[Segment] = [(i * sq, (i + 1) * sq, i * sk, (i + 1) * sk) for i in range(b)]
+    options = _options(kw.get("softmax_scale"), kw.get("causal", False), window_size, softcap, q.shape[3], unsupported)
+    record("fa3.flash_attn_func", segments, causal=kw.get("causal", False), **options)
+    out, lse = _attend(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), segments, q.shape[3], v.shape[3], options)
+    return out.unflatten(0, (b, sq)), lse.unflatten(1, (b, sq)).transpose(0, 1)
+
+
+def _returned(pair, return_attn_probs=None):
+    """(out, lse) before 2025-07-11; out from then on; the pair again when return_attn_probs=True (main)."""
+    if not _since("2.8.3") or return_attn_probs:
+        return pair
+    return pair[0]
+
+
+# ----------------------------------------------------------------------------- 2024-08-29 (7b4e68e0)
+
+
+def _varlen_2024_08(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    deterministic=False,
+    seqused_q=None,
+    seqused_k=None,
+):
+    unsupported = (seqused_q is not None, seqused_k is not None)
+    kw = {"softmax_scale": softmax_scale, "causal": causal, "window_size": window_size}
+    return _returned(_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, unsupported, **kw))
+
+
+def _fixed_2024_08(
+    q,
+    k,
+    v,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    deterministic=False,
+    descale_q=None,
+    descale_k=None,
+    descale_v=None,
+):
+    unsupported = (descale_q is not None,)
+    return _returned(_fixed(q, k, v, unsupported, softmax_scale=softmax_scale, causal=causal, window_size=window_size))
+
+
+# ----------------------------------------------------------------------------- 2025-01-07 (7a802796)
+
+
+def _varlen_2025_01(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    seqused_q,
+    seqused_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    softmax_scale=None,
+    causal=False,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    window_size=(-1, -1),
+    sink_token_length=0,
+    softcap=0.0,
+    num_splits=1,
+    pack_gqa=None,
+    deterministic=False,
+    sm_margin=0,
+):
+    unsupported = (seqused_q is not None, seqused_k is not None, q_descale is not None, sink_token_length)
+    kw = {"softmax_scale": softmax_scale, "causal": causal, "window_size": window_size, "softcap": softcap}
+    return _returned(_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, unsupported, **kw))
+
+
+def _fixed_2025_01(
+    q,
+    k,
+    v,
+    softmax_scale=None,
+    causal=False,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    window_size=(-1, -1),
+    sink_token_length=0,
+    softcap=0.0,
+    num_splits=1,
+    pack_gqa=None,
+    deterministic=False,
+    sm_margin=0,
+):
+    unsupported = (q_descale is not None, sink_token_length)
+    kw = {"softmax_scale": softmax_scale, "causal": causal, "window_size": window_size, "softcap": softcap}
+    return _returned(_fixed(q, k, v, unsupported, **kw))
+
+
+# ----------------------------------------------------------------------------- 2025-04-10 (909eb7ce) and 2.8.3
+
+
+def _varlen_2025_04(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    seqused_q=None,
+    seqused_k=None,
+    softmax_scale=None,
+    causal=False,
+    qv=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    window_size=(-1, -1),
+    attention_chunk=0,
+    softcap=0.0,
+    num_splits=1,
+    pack_gqa=None,
+    deterministic=False,
+    sm_margin=0,
+):
+    unsupported = (seqused_q is not None, seqused_k is not None, qv is not None, q_descale is not None, attention_chunk)
+    kw = {"softmax_scale": softmax_scale, "causal": causal, "window_size": window_size, "softcap": softcap}
+    return _returned(_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, unsupported, **kw))
+
+
+def _fixed_2025_04(
+    q,
+    k,
+    v,
+    softmax_scale=None,
+    causal=False,
+    qv=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    window_size=(-1, -1),
+    attention_chunk=0,
+    softcap=0.0,
+    num_splits=1,
+    pack_gqa=None,
+    deterministic=False,
+    sm_margin=0,
+):
+    unsupported = (qv is not None, q_descale is not None, attention_chunk)
+    kw = {"softmax_scale": softmax_scale, "causal": causal, "window_size": window_size, "softcap": softcap}
+    return _returned(_fixed(q, k, v, unsupported, **kw))
+
+
+# ----------------------------------------------------------------------------- main (0251105a)
+
+
+def _varlen_main(
     q,
     k,
     v,
@@ -48,18 +314,14 @@ def flash_attn_varlen_func(
     sm_margin=0,
     return_attn_probs=False,
 ):
-    """``q [total_q, Hq, D]``, ``k/v [total_k, Hkv, D]`` -> ``out`` (+ ``lse [Hq, total_q]``)."""
-    check_dtypes(q, k, v)
-    check_heads(q.shape[1], k.shape[1], q.shape[2], multiple_of_8=True)
-    segments = varlen_segments(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+    """``q [total_q, Hq, D]``, ``k/v [total_k, Hkv, D|Dv]`` -> ``out`` (+ ``lse [Hq, total_q]``)."""
     unsupported = (seqused_q is not None, seqused_k is not None, qv is not None, q_descale is not None, attention_chunk)
-    options = _options(softmax_scale, causal, window_size, softcap, q.shape[2], unsupported)
-    record("fa3.flash_attn_varlen_func", segments, causal=causal, **options)
-    out, lse = attend(q, k, v, segments, **options)
-    return (out, lse) if return_attn_probs else out
+    kw = {"softmax_scale": softmax_scale, "causal": causal, "window_size": window_size, "softcap": softcap}
+    pair = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, unsupported, **kw)
+    return _returned(pair, return_attn_probs)
 
 
-def flash_attn_func(
+def _fixed_main(
     q,
     k,
     v,
@@ -78,13 +340,17 @@ def flash_attn_func(
     sm_margin=0,
     return_attn_probs=False,
 ):
-    """``q [B, Sq, Hq, D]``, ``k/v [B, Sk, Hkv, D]`` -> ``out [B, Sq, Hq, D]`` (+ ``lse [B, Hq, Sq]``)."""
-    check_dtypes(q, k, v)
-    check_heads(q.shape[2], k.shape[2], q.shape[3], multiple_of_8=True)
-    b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
-    segments: list[Segment] = [(i * sq, (i + 1) * sq, i * sk, (i + 1) * sk) for i in range(b)]
-    options = _options(softmax_scale, causal, window_size, softcap, q.shape[3], (qv is not None, attention_chunk))
-    record("fa3.flash_attn_func", segments, causal=causal, **options)
-    out, lse = attend(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), segments, **options)
-    out = out.unflatten(0, (b, sq))
-    return (out, lse.unflatten(1, (b, sq)).transpose(0, 1)) if return_attn_probs else out
+    """``q [B, Sq, Hq, D]``, ``k/v [B, Sk, Hkv, D|Dv]`` -> ``out [B, Sq, Hq, Dv]`` (+ ``lse [B, Hq, Sq]``)."""
+    unsupported = (qv is not None, q_descale is not None, attention_chunk)
+    kw = {"softmax_scale": softmax_scale, "causal": causal, "window_size": window_size, "softcap": softcap}
+    return _returned(_fixed(q, k, v, unsupported, **kw), return_attn_probs)
+
+
+_FUNCTIONS = {
+    "2024-08": (_varlen_2024_08, _fixed_2024_08),
+    "2025-01": (_varlen_2025_01, _fixed_2025_01),
+    "2025-04": (_varlen_2025_04, _fixed_2025_04),
+    "2.8.3": (_varlen_2025_04, _fixed_2025_04),
+    "main": (_varlen_main, _fixed_main),
+}
+flash_attn_varlen_func, flash_attn_func = _FUNCTIONS[ERA]

@@ -155,12 +155,13 @@ QKV: dict[str, Callable[[], Any]] = {
 # ----------------------------------------------------------------------------- core: explicit kernels
 
 
-def _attend_with(backend: str, head_dim: int = 8, dropout_p: float = 0.0) -> Any:
+def _attend_with(backend: str, head_dim: int = 8, dropout_p: float = 0.0, value_head_dim: int | None = None) -> Any:
     """``cp_blockdiag_sdpa`` with an explicit kernel inside a cp=1 step of the CPU row above."""
     q, k = torch.zeros(1, 4, 8, head_dim), torch.zeros(1, 2, 8, head_dim)
+    v = torch.zeros(1, 2, 8, value_head_dim or head_dim)
     ctx, _, _ = _build(_row(), attn_backend=backend)
     with ctx():
-        return cp_blockdiag_sdpa(q, k, k, dropout_p=dropout_p, enable_gqa=True)
+        return cp_blockdiag_sdpa(q, k, v, dropout_p=dropout_p, enable_gqa=True)
 
 
 def _packed_with(backend: str = "auto", length: int = 8, **call: Any) -> Any:
@@ -190,6 +191,10 @@ KERNEL: dict[str, Callable[[], Any]] = {
     "kernel-torch-varlen-device": lambda: _attend_with("torch_varlen"),
     "kernel-torch-varlen-dropout": lambda: _attend_with("torch_varlen", dropout_p=0.1),
     "kernel-torch-varlen-head-dim": lambda: _attend_with("torch_varlen", head_dim=264),
+    "kernel-torch-varlen-head-dim-8": lambda: _attend_with("torch_varlen", head_dim=12),
+    "kernel-flash-value-head-dim": lambda: _attend_with("flash", head_dim=16, value_head_dim=8),
+    "kernel-torch-varlen-value-head-dim": lambda: _attend_with("torch_varlen", head_dim=16, value_head_dim=8),
+    "kernel-fa3-value-head-dim": lambda: _attend_with("fa3", head_dim=128, value_head_dim=64),
     "kernel-cp1-packed": lambda: _packed_with("fa3"),
 }
 

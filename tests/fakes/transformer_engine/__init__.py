@@ -1,3 +1,8 @@
-"""Stand-in for TransformerEngine main (d0067d0da, 2.20.0.dev0): only ``pytorch.DotProductAttention``."""
+"""Stand-in for TransformerEngine, release ``machine.ACTIVE.te`` (see ``pytorch/__init__.py``)."""
 
-__version__ = "2.20.0.dev0"
+import machine
+
+if machine.ACTIVE.te is None:
+    raise ModuleNotFoundError("No module named 'transformer_engine'", name="transformer_engine")
+
+__version__ = machine.ACTIVE.te

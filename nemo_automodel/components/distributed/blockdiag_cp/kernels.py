@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from nemo_automodel.components.distributed.blockdiag_cp import gpu_kernels
+from nemo_automodel.components.distributed.blockdiag_cp import gpu_kernels, gpu_libraries
+from nemo_automodel.components.distributed.blockdiag_cp.gpu_libraries import GpuLibraries, KernelCall
 from nemo_automodel.components.distributed.blockdiag_cp.layout import RankSegments, ShardPlan
 from nemo_automodel.components.distributed.blockdiag_cp.logs import log_once
 from nemo_automodel.components.distributed.blockdiag_cp.state import WindowPlan
@@ -760,10 +761,10 @@ def _stacked(parts: tuple[torch.Tensor, ...], indices: tuple[int, ...]) -> torch
 KernelFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, VarlenMeta, "float | None", float, AttentionVariant], torch.Tensor
 ]
-# (head_dim, dropout_p) -> why the kernel cannot take this call anywhere, or None
-LimitsCheck = Callable[["int | None", float], "str | None"]
-# (device, head_dim, dropout_p) -> why this installation/GPU cannot run it, or None
-EnvironmentCheck = Callable[[torch.device, "int | None", float], "str | None"]
+# call -> why the kernel cannot take this call on any machine (head dims, dropout), or None
+LimitsCheck = Callable[[KernelCall], "str | None"]
+# (call, probed libraries and device) -> why this installation/GPU cannot run it, or None
+EnvironmentCheck = Callable[[KernelCall, GpuLibraries], "str | None"]
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
 _CUDA = frozenset({"cuda"})
@@ -779,9 +780,9 @@ class KernelSpec:
         device_types: Devices it runs on (``None``: any).
         dtypes: Dtypes it accepts (``None``: any floating dtype).
         limits: Head-dim and dropout limits, true on every machine (checked first).
-        environment: Package, version and GPU checks (imports the package once).
+        environment: Package, version, build and GPU checks against the probed libraries.
         auto_skip: Why ``auto`` passes over the kernel although it could run.
-        variant_problem: Why the kernel cannot express an :class:`AttentionVariant` (window,
+        variant_problem: Why the kernel cannot express the call's :class:`AttentionVariant` (window,
             soft-cap, sinks), naming the feature; ``None``: it expresses every variant.
     """
 
@@ -791,8 +792,8 @@ class KernelSpec:
     dtypes: frozenset[torch.dtype] | None = None
     limits: LimitsCheck | None = None
     environment: EnvironmentCheck | None = None
-    auto_skip: Callable[[torch.device], str | None] | None = None
-    variant_problem: Callable[[AttentionVariant, float], str | None] | None = None
+    auto_skip: EnvironmentCheck | None = None
+    variant_problem: EnvironmentCheck | None = None
 
 
 KERNELS: dict[str, KernelSpec] = {
@@ -801,7 +802,7 @@ KERNELS: dict[str, KernelSpec] = {
         gpu_kernels.fa3,
         _CUDA,
         _HALF,
-        gpu_kernels.fa3_limits,
+        gpu_libraries.fa3_limits,
         gpu_kernels.fa3_environment,
         variant_problem=gpu_kernels.fa3_variant_problem,
     ),
@@ -810,7 +811,7 @@ KERNELS: dict[str, KernelSpec] = {
         gpu_kernels.flash,
         _CUDA,
         _HALF,
-        gpu_kernels.flash_limits,
+        gpu_libraries.flash_limits,
         gpu_kernels.flash_environment,
         variant_problem=gpu_kernels.flash_variant_problem,
     ),
@@ -821,7 +822,7 @@ KERNELS: dict[str, KernelSpec] = {
         _HALF,
         None,
         gpu_kernels.te_environment,
-        gpu_kernels.te_auto_problem,
+        gpu_kernels.te_auto_skip,
         variant_problem=gpu_kernels.te_variant_problem,
     ),
     "torch_varlen": KernelSpec(
@@ -829,7 +830,7 @@ KERNELS: dict[str, KernelSpec] = {
         gpu_kernels.torch_varlen,
         _CUDA,
         _HALF,
-        gpu_kernels.torch_varlen_limits,
+        gpu_libraries.torch_varlen_limits,
         gpu_kernels.torch_varlen_environment,
         variant_problem=gpu_kernels.torch_varlen_variant_problem,
     ),
@@ -840,7 +841,7 @@ KERNELS: dict[str, KernelSpec] = {
 # `auto` takes the first kernel of this list that can run. Why this order (the
 # README's "Kernels" section; benchmarks/gpu_check.py measures it on a GPU):
 # - fa3: FlashAttention-3 is the fastest varlen kernel on Hopper; it has no dropout
-#   and runs only on sm90, so elsewhere (or with dropout) it is skipped.
+#   and runs only on sm90 here, so elsewhere (or with dropout) it is skipped.
 # - flash: flash-attn 2, with dropout, on every GPU from Ampere on; it is also what
 #   TE itself would call on sm8x.
 # - te: cuDNN's fused attention on sm90+ (cuDNN >= 9.7); skipped when only TE's
@@ -870,31 +871,38 @@ def kernel_unavailable_reason(
     device: torch.device,
     *,
     head_dim: int | None = None,
+    value_head_dim: int | None = None,
     dropout_p: float = 0.0,
     variant: AttentionVariant = PLAIN,
+    libraries: GpuLibraries | None = None,
 ) -> str | None:
     """Why kernel ``name`` cannot run this call, or ``None``; launches nothing.
 
     Checks, in order: the attention variant (window, soft-cap, sinks) and the
     kernel's head-dim and dropout limits (true on any machine), the device type
-    and dtype, then the installation and the GPU (package really imported once,
-    version, compute capability). Each reason says what to do about it.
+    and dtype, then the installation and the GPU (libraries probed once: version,
+    signature, build flags, compute capability, shared memory, cuDNN). Each
+    reason says what to do about it.
 
     Args:
         name: Canonical kernel name.
         dtype: Query dtype.
         device: Query device.
-        head_dim: Head dimension ``D`` (``None``: not checked).
+        head_dim: Query/key head dimension ``D`` (``None``: not checked).
+        value_head_dim: Value head dimension ``Dv`` (``None``: equal to ``D``).
         dropout_p: Attention dropout of the call.
         variant: The call's attention variant.
+        libraries: The probed GPU libraries (``None``: :func:`.gpu_libraries.probe_gpu_libraries` of ``device``).
     """
     spec = KERNELS.get(name)
     if spec is None:
         return f"unknown attention kernel {name!r} (known: {', '.join(KERNELS)})"
     device = torch.device(device)
-    if not variant.plain and spec.variant_problem is not None and (reason := spec.variant_problem(variant, dropout_p)):
+    call = KernelCall(dtype, head_dim, value_head_dim, dropout_p, variant)
+    libs = lambda: libraries or gpu_libraries.probe_gpu_libraries(device)  # noqa: E731 (probed only when needed)
+    if not variant.plain and spec.variant_problem is not None and (reason := spec.variant_problem(call, libs())):
         return reason
-    if spec.limits is not None and (reason := spec.limits(head_dim, dropout_p)) is not None:
+    if spec.limits is not None and (reason := spec.limits(call)) is not None:
         return reason
     if spec.device_types is not None and device.type not in spec.device_types:
         return (
@@ -904,7 +912,7 @@ def kernel_unavailable_reason(
     if spec.dtypes is not None and dtype not in spec.dtypes:
         return f"{name} needs dtype {'/'.join(sorted(str(d) for d in spec.dtypes))}, got {dtype}; cast q/k/v"
     if spec.environment is not None:
-        return spec.environment(device, head_dim, dropout_p)
+        return spec.environment(call, libs())
     return None
 
 
@@ -914,8 +922,10 @@ def select_kernel(
     device: torch.device,
     *,
     head_dim: int | None = None,
+    value_head_dim: int | None = None,
     dropout_p: float = 0.0,
     variant: AttentionVariant = PLAIN,
+    libraries: GpuLibraries | None = None,
 ) -> str:
     """The concrete kernel for a call.
 
@@ -926,36 +936,39 @@ def select_kernel(
         requested: Canonical ``attn_backend`` (``auto`` or a kernel name).
         dtype: Query dtype.
         device: Query device.
-        head_dim: Head dimension ``D``.
+        head_dim: Query/key head dimension ``D``.
+        value_head_dim: Value head dimension ``Dv`` (``None``: equal to ``D``).
         dropout_p: Attention dropout of the call.
         variant: The call's attention variant (a kernel that cannot express it is skipped by ``auto``).
+        libraries: The probed GPU libraries (``None``: probed for ``device``, once per process).
 
     Raises:
         KernelUnavailableError: when an explicitly requested kernel cannot run
             (it is never replaced by another one).
     """
     device = torch.device(device)
+    call = {"head_dim": head_dim, "value_head_dim": value_head_dim, "dropout_p": dropout_p, "variant": variant}
     if requested != "auto":
-        reason = kernel_unavailable_reason(
-            requested, dtype, device, head_dim=head_dim, dropout_p=dropout_p, variant=variant
-        )
+        reason = kernel_unavailable_reason(requested, dtype, device, **call, libraries=libraries)
         if reason is not None:
             raise KernelUnavailableError(requested, reason)
         if requested == "te":
-            gpu_kernels.warn_if_te_unfused(device)
+            gpu_kernels.warn_if_te_auto_skipped(
+                KernelCall(dtype, head_dim, value_head_dim, dropout_p, variant),
+                libraries or gpu_libraries.probe_gpu_libraries(device),
+            )
         return requested
     skipped = []
     for name in AUTO_PREFERENCE:
         spec = KERNELS[name]
-        reason = kernel_unavailable_reason(name, dtype, device, head_dim=head_dim, dropout_p=dropout_p, variant=variant)
+        reason = kernel_unavailable_reason(name, dtype, device, **call, libraries=libraries)
         if reason is None and spec.auto_skip is not None:
-            reason = spec.auto_skip(device)
+            libs = libraries or gpu_libraries.probe_gpu_libraries(device)
+            reason = spec.auto_skip(KernelCall(dtype, head_dim, value_head_dim, dropout_p, variant), libs)
         if reason is None:
             features = ", ".join(variant.features()) or "plain causal"
-            decision = (
-                f"attn_backend=auto -> {name} ({dtype} on {device}, head_dim={head_dim}, dropout_p={dropout_p}, "
-                f"{features})"
-            )
+            dims = f"head_dim={head_dim}" + (f"/{value_head_dim}" if value_head_dim not in (None, head_dim) else "")
+            decision = f"attn_backend=auto -> {name} ({dtype} on {device}, {dims}, dropout_p={dropout_p}, {features})"
             if skipped:
                 decision += "; skipped " + "; ".join(skipped)
             log_once(logger, f"kernel-auto:{decision}", logging.INFO, "%s", decision)

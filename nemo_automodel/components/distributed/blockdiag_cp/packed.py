@@ -158,7 +158,13 @@ def packed_varlen_sdpa(
         )
     kernels.validate_qkv(query, key, value, enable_gqa, armed.seq_len, variant)
     kernel = kernels.select_kernel(
-        armed.backend, query.dtype, query.device, head_dim=query.shape[3], dropout_p=dropout_p, variant=variant
+        armed.backend,
+        query.dtype,
+        query.device,
+        head_dim=query.shape[3],
+        value_head_dim=value.shape[3],
+        dropout_p=dropout_p,
+        variant=variant,
     )
     meta = armed.meta(variant.window)
     kv_len = meta.kv_len

@@ -244,7 +244,7 @@ def _route(state: StepState, device: torch.device, window: int | None = None) ->
 
 
 def _kernel_for(
-    state: StepState, query: torch.Tensor, dropout_p: float, variant: AttentionVariant
+    state: StepState, query: torch.Tensor, value: torch.Tensor, dropout_p: float, variant: AttentionVariant
 ) -> tuple[str | None, kernels.KernelUnavailableError | None]:
     """The concrete kernel for this call, or why the requested one cannot run; memoized per step.
 
@@ -254,7 +254,7 @@ def _kernel_for(
     first seen after the agreement raises on every rank as well: the variant
     comes from the model, the same on every rank.
     """
-    key = (str(query.dtype), str(query.device), query.shape[3], dropout_p > 0, variant.key)
+    key = (str(query.dtype), str(query.device), query.shape[3], value.shape[3], dropout_p > 0, variant.key)
     if key not in state.cache.kernel:
         try:
             name = kernels.select_kernel(
@@ -262,6 +262,7 @@ def _kernel_for(
                 query.dtype,
                 query.device,
                 head_dim=query.shape[3],
+                value_head_dim=value.shape[3],
                 dropout_p=dropout_p,
                 variant=variant,
             )
@@ -523,7 +524,7 @@ def cp_blockdiag_sdpa(
         state.cache.finite.append(torch.stack(sums).isfinite())
     if state.cache.shape is None:
         state.cache.shape = cost.Shape(query.shape[1], key.shape[1], query.shape[3], query.element_size())
-    kernel, unavailable = _kernel_for(state, query, dropout_p, variant)
+    kernel, unavailable = _kernel_for(state, query, value, dropout_p, variant)
     route = _route(state, query.device, variant.window)
     _agree_on_step(state, query, key, value, kernel or f"unavailable: {unavailable}", route, variant)
     if unavailable is not None:  # every rank agreed that it cannot run: all raise here, together

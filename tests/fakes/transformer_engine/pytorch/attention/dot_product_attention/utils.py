@@ -1,0 +1,5 @@
+"""``FlashAttentionUtils`` where TE >= 2.3 keeps it."""
+
+from transformer_engine.pytorch.flash_view import FlashAttentionUtils
+
+__all__ = ["FlashAttentionUtils"]
