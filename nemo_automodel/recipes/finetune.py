@@ -41,7 +41,7 @@ from nemo_automodel.components.distributed.parallel import (
 )
 from nemo_automodel.components.launcher.env import detect_launch, is_secondary_rank
 from nemo_automodel.components.launcher.local import free_port, launch_local_workers
-from nemo_automodel.components.models.causal_lm import build_causal_lm, pretrained_dtype
+from nemo_automodel.components.models.causal_lm import build_causal_lm, pretrained_dtype, probe_packing_at_start
 from nemo_automodel.components.training.failure import propagate_failures
 from nemo_automodel.components.training.metrics import LOG_FILE, MetricsWriter, StepMetrics, configure_logging
 from nemo_automodel.components.training.optim import build_optimizer, build_scheduler
@@ -153,7 +153,10 @@ def train(config: FinetuneConfig, run_dir: Path, topology: Topology, device: tor
     dataset = data.train
     schedule = RowSchedule(len(dataset), topology.dp, trainer.grad_accum, config.data.seed)
     hf_config = model.config
-    model = shard_model(model.to(device), meshes.dp_cp)
+    model = model.to(device)
+    with input_errors():  # every rank of a CP group measures the same leak: all refuse together
+        probe_packing_at_start(model, config.model, meshes.cp, cp_options(config.cp, None), config.data.seq_len)
+    model = shard_model(model, meshes.dp_cp)
     optimizer = build_optimizer(model, config.optim)
     scheduler = build_scheduler(optimizer, config.optim, trainer.max_steps)
     _log_setup(config, topology, device, data, model, run_dir)
