@@ -9,6 +9,7 @@ calls ``train``, which reads top to bottom: data, model, optimizer, resume, loop
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -36,6 +37,7 @@ from nemo_automodel.components.checkpoint.hf_export import (
     exported_at,
     record_export,
 )
+from nemo_automodel.components.checkpoint.resume import check_resume_step
 from nemo_automodel.components.config.checks import check_attn_backend, check_paths, check_run_dir
 from nemo_automodel.components.config.errors import InputError, input_errors, report_input_error
 from nemo_automodel.components.config.schema import (
@@ -58,6 +60,7 @@ from nemo_automodel.components.distributed.parallel import (
 )
 from nemo_automodel.components.launcher.env import detect_launch, is_secondary_rank
 from nemo_automodel.components.launcher.local import free_port, launch_local_workers
+from nemo_automodel.components.launcher.run_lock import RunDirInUseError, hold_run_dir
 from nemo_automodel.components.models.causal_lm import build_causal_lm, pretrained_dtype
 from nemo_automodel.components.training.failure import propagate_failures
 from nemo_automodel.components.training.metrics import LOG_FILE, MetricsWriter, StepMetrics, configure_logging
@@ -95,6 +98,15 @@ def main(cfg: DictConfig, run_dir: Path) -> int:
             check_run_dir(config, run_dir)
     except ValueError as exc:
         return report_input_error(exc, show)
+    try:  # rank 0's launching process holds the run dir for the whole run: a second run there fails here
+        with hold_run_dir(run_dir) if show else contextlib.nullcontext():
+            return _launch(config, run_dir)
+    except RunDirInUseError as exc:
+        return report_input_error(exc, show)
+
+
+def _launch(config: FinetuneConfig, run_dir: Path) -> int:
+    """Become the worker (torchrun / Slurm / one local rank) or start the local workers; return the exit code."""
     launch = detect_launch(master_port=config.dist.master_port)
     payload = to_plain_dict(config)
     if launch.mode != "local":  # torchrun / srun: this process is one of the workers
@@ -334,13 +346,7 @@ def _resume(
     path = latest_checkpoint(ckpt_root) if trainer.resume == "auto" else None
     if path is None:
         return 0
-    step = read_trainer_state(path).step
-    if step > trainer.max_steps:
-        raise InputError(
-            f"trainer.max_steps={trainer.max_steps} but {path} is already complete at step {step}; raise "
-            f"trainer.max_steps above {step} to continue, or pass a new hydra.run.dir to train {trainer.max_steps} "
-            "steps from scratch"
-        )
+    check_resume_step(trainer.max_steps, path, read_trainer_state(path).step)
     state = load_checkpoint(path, model, optimizer, topology.rank)
     scheduler.load_state_dict(state.scheduler)
     if state.rows_consumed != state.step * schedule.rows_per_step:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 
+from nemo_automodel.components.checkpoint.resume import check_resume_step
 from nemo_automodel.components.config.checks import check_attn_backend, check_paths, check_run_dir
 from nemo_automodel.components.config.schema import DataConfig, ModelConfig, register_schema, to_finetune_config
 from nemo_automodel.components.datasets.loader import prepare_data
@@ -44,6 +45,7 @@ from nemo_automodel.components.distributed.blockdiag_cp import (
 from nemo_automodel.components.distributed.blockdiag_cp.layout import doc_runs_from_lengths, make_shard_plan
 from nemo_automodel.components.distributed.parallel import check_shared_run_dir, resolve_topology
 from nemo_automodel.components.launcher.env import first_slurm_host
+from nemo_automodel.components.launcher.run_lock import hold_run_dir
 from nemo_automodel.components.models.causal_lm import build_causal_lm
 from nemo_automodel.components.training.step import _check_cp_reached_attention
 from tests.cases import cp_mesh
@@ -324,6 +326,11 @@ def _files(*names: str, first: bool = False, **fields: Any) -> None:
         check_paths(to_finetune_config({"data": {"source": "text", "path": path, **fields}}))
 
 
+def _locked_run_dir() -> None:
+    with tempfile.TemporaryDirectory() as tmp, hold_run_dir(Path(tmp)):
+        hold_run_dir(Path(tmp)).__enter__()
+
+
 def _used_run_dir() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "metrics.jsonl").write_text("{}\n")
@@ -502,6 +509,8 @@ RECIPE: dict[str, Callable[[], Any]] = {
     "launch-dp-size": lambda: resolve_topology(world=2, rank=0, local_rank=0, cp_size=2, dp_size=2),
     "launch-run-dir-not-shared": _run_dir_not_shared,
     "launch-slurm-nodelist": lambda: first_slurm_host("[bad"),
+    "launch-run-dir-locked": _locked_run_dir,
+    "resume-max-steps-below": lambda: check_resume_step(3, Path("/run/checkpoints/step_00000010"), 10),
     "model-vocabulary": _small_vocabulary_model,
     "model-attention-never-cp": _attention_never_reached,
     "model-patch-sdpa-window": _patch_sdpa_window,
