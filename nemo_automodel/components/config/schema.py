@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -368,11 +369,21 @@ class FinetuneConfig:
             )
 
 
+# Files shipped with the package (the chat demo's corpus and tokenizer): `${nemo_asset:chat_demo/chats.jsonl}`.
+ASSETS_ROOT = Path(__file__).resolve().parents[2] / "assets"
+
+
 def register_schema() -> None:
-    """Store :class:`FinetuneConfig` as ``finetune_schema`` (the first entry of ``conf/finetune.yaml``'s defaults)."""
+    """Store :class:`FinetuneConfig` as ``finetune_schema`` (the first entry of ``conf/finetune.yaml``'s defaults).
+
+    Also registers the ``nemo_asset`` resolver: ``${nemo_asset:<name>}`` is the absolute path of a file the
+    package ships (``nemo_automodel/assets/<name>``), whatever the working directory.
+    """
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="finetune_schema", node=FinetuneConfig)
+    if not OmegaConf.has_resolver("nemo_asset"):
+        OmegaConf.register_new_resolver("nemo_asset", lambda name: str(ASSETS_ROOT / name))
 
 
 def to_finetune_config(cfg: DictConfig | dict[str, Any]) -> FinetuneConfig:
