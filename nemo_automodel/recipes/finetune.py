@@ -176,7 +176,9 @@ def train(config: FinetuneConfig, run_dir: Path, topology: Topology, device: tor
         tokenizer = build_tokenizer(config.tokenizer, config.model.pretrained_path)
         # the job's c10d store (no public accessor; failure.py reads it the same way): rank 0 posts the data there
         data = load_data(config.data, tokenizer, topology.is_main, dist.distributed_c10d._get_default_store())
-        model = build_causal_lm(config.model, tokenizer.vocab_size, trainer.seed, trainer.activation_checkpointing)
+        model = build_causal_lm(
+            config.model, tokenizer.vocab_size, trainer.seed, trainer.activation_checkpointing, config.data.seq_len
+        )
     dataset = data.train
     schedule = RowSchedule(len(dataset), topology.dp, trainer.grad_accum, config.data.seed)
     hf_config = model.config

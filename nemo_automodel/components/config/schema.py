@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -68,6 +69,9 @@ class ModelConfig:
         hidden_size / num_layers / num_heads / num_kv_heads / intermediate_size / rope_theta:
             Size of the built Llama (ignored with ``pretrained_path``).
         max_position_embeddings: RoPE table size of the built Llama (positions restart per document).
+        verify_packing: Refuse, at load, a model that packed training cannot compute exactly (token mixing
+            outside attention, ALiBi, attention that bypasses the interface), and run the packing-isolation
+            probe before step 1. ``false`` skips both, with a loud warning.
     """
 
     pretrained_path: str | None = None
@@ -79,6 +83,7 @@ class ModelConfig:
     intermediate_size: int = 768
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
+    verify_packing: bool = True
 
     def __post_init__(self) -> None:
         _require_choice("model.attention", self.attention, ATTENTION_ROUTES)
@@ -364,11 +369,21 @@ class FinetuneConfig:
             )
 
 
+# Files shipped with the package (the chat demo's corpus and tokenizer): `${nemo_asset:chat_demo/chats.jsonl}`.
+ASSETS_ROOT = Path(__file__).resolve().parents[2] / "assets"
+
+
 def register_schema() -> None:
-    """Store :class:`FinetuneConfig` as ``finetune_schema`` (the first entry of ``conf/finetune.yaml``'s defaults)."""
+    """Store :class:`FinetuneConfig` as ``finetune_schema`` (the first entry of ``conf/finetune.yaml``'s defaults).
+
+    Also registers the ``nemo_asset`` resolver: ``${nemo_asset:<name>}`` is the absolute path of a file the
+    package ships (``nemo_automodel/assets/<name>``), whatever the working directory.
+    """
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="finetune_schema", node=FinetuneConfig)
+    if not OmegaConf.has_resolver("nemo_asset"):
+        OmegaConf.register_new_resolver("nemo_asset", lambda name: str(ASSETS_ROOT / name))
 
 
 def to_finetune_config(cfg: DictConfig | dict[str, Any]) -> FinetuneConfig:

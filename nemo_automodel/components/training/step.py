@@ -138,13 +138,20 @@ def _autocast(setup: StepSetup) -> contextlib.AbstractContextManager[None]:
 
 
 def _check_cp_reached_attention(setup: StepSetup, state: StepState) -> None:
-    """After the first CP forward: fail on every rank if the model's attention never called CP attention."""
-    if setup.meshes.cp.size() > 1 and state.stats.calls == 0:
+    """After the first forward: fail on every rank if the model's attention never called CP attention.
+
+    At any cp (cp=1 included: a model whose attention bypasses the interface, such as Bloom's ALiBi code, lets
+    packed documents attend each other); ``model.attention=eager`` never calls it by design (cp=1 only).
+    """
+    if setup.attention != "eager" and state.stats.calls == 0:
+        cp = setup.meshes.cp.size()
+        shard = "each rank attended only to its own shard and " if cp > 1 else ""
         raise RuntimeError(
-            f"cp.size={setup.meshes.cp.size()} but the model's attention never reached block-diagonal CP "
-            f"(model.attention={setup.attention}): each rank attended only to its own shard. Use "
+            f"cp.size={cp} but the model's attention never reached block-diagonal CP "
+            f"(model.attention={setup.attention}): {shard}packed documents attended each other. Use "
             "model.attention=hf_interface for HF models (AttentionInterface), or model.attention=patch_sdpa for "
-            "models that call torch.nn.functional.scaled_dot_product_attention"
+            "models that call torch.nn.functional.scaled_dot_product_attention; a model with its own attention "
+            "code cannot be trained on packed rows"
         )
 
 
