@@ -27,6 +27,7 @@ from nemo_automodel.components.checkpoint.dcp import (
     TrainerState,
     latest_checkpoint,
     load_checkpoint,
+    newest_intact,
     read_trainer_state,
     save_checkpoint,
 )
@@ -345,7 +346,7 @@ def _resume(
         InputError: ``trainer.max_steps`` is below the checkpoint's step (nothing to train, and its export
             would not be the model asked for).
     """
-    path = latest_checkpoint(ckpt_root) if trainer.resume == "auto" else None
+    path = newest_intact(ckpt_root, topology.rank) if trainer.resume == "auto" else None
     if path is None:
         return 0
     check_resume_step(trainer.max_steps, path, read_trainer_state(path).step)

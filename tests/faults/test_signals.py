@@ -106,7 +106,7 @@ def test_a_second_signal_during_a_save_aborts_and_the_previous_checkpoint_resume
     args = ["trainer.max_steps=4", "trainer.ckpt_every=2", "trainer.export_hf=false"]
     code, out = _run(tmp_path, args, {"phase": "save", "step": 4, "rank": 1, "to": "self", "count": 2})
     assert code not in (0, EXIT_PREEMPTED), out[-4000:]
-    assert "second signal (SIGTERM): aborting" in out
+    assert "second signal (SIGTERM): aborting" in out, out[-6000:]
     assert "step_00000002" in _checkpoints(tmp_path) and "step_00000004" not in _checkpoints(tmp_path)
     code, out = _run(tmp_path, args)
     assert code == 0 and "(step 2)" in out, out[-4000:]
