@@ -38,12 +38,16 @@ from nemo_automodel.components.checkpoint.hf_export import (
     exported_at,
     record_export,
 )
-from nemo_automodel.components.checkpoint.resume import check_resume_step
+from nemo_automodel.components.checkpoint.resume import (
+    apply_optim_settings,
+    check_resume_step,
+    compare_fingerprints,
+    run_fingerprint,
+)
 from nemo_automodel.components.config.checks import check_attn_backend, check_paths, check_run_dir
 from nemo_automodel.components.config.errors import InputError, input_errors, report_input_error
 from nemo_automodel.components.config.schema import (
     FinetuneConfig,
-    TrainerConfig,
     to_finetune_config,
     to_plain_dict,
 )
@@ -190,12 +194,19 @@ def train(config: FinetuneConfig, run_dir: Path, topology: Topology, device: tor
     validation = None if data.validation is None else rows_for_rank(data.validation, topology.dp, topology.dp_rank)
 
     ckpt_root = run_dir / "checkpoints"
-    start_step = _resume(trainer, ckpt_root, model, optimizer, scheduler, topology, schedule)
+    fingerprint = run_fingerprint(config, dataset, topology.dp)
+    start_step = _resume(config, fingerprint, ckpt_root, model, optimizer, scheduler, topology, schedule)
     best = read_best(run_dir) if trainer.keep_best else None
 
     def save(step: int, root: Path = ckpt_root, keep: int = trainer.keep_checkpoints) -> Path:
         state = TrainerState(
-            step, step * schedule.rows_per_step, scheduler.state_dict(), topology.world, topology.dp, topology.cp
+            step,
+            step * schedule.rows_per_step,
+            scheduler.state_dict(),
+            topology.world,
+            topology.dp,
+            topology.cp,
+            fingerprint,
         )
         path = save_checkpoint(root, state, model, optimizer, keep, topology.rank)
         logger.info("checkpoint saved: %s", path)
@@ -332,7 +343,8 @@ class _Outputs:
 
 
 def _resume(
-    trainer: TrainerConfig,
+    config: FinetuneConfig,
+    fingerprint: dict[str, Any],
     ckpt_root: Path,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -340,18 +352,26 @@ def _resume(
     topology: Topology,
     schedule: RowSchedule,
 ) -> int:
-    """Load the latest complete checkpoint when ``trainer.resume=auto``; return the step to continue from.
+    """Load the newest intact checkpoint when ``trainer.resume=auto``; return the step to continue from.
+
+    Changed optimizer settings are applied and logged, changed dp/cp logged; other changes are refused.
 
     Raises:
         InputError: ``trainer.max_steps`` is below the checkpoint's step (nothing to train, and its export
-            would not be the model asked for).
+            would not be the model asked for), or a setting changed that changes what the run trains on.
     """
+    trainer = config.trainer
     path = newest_intact(ckpt_root, topology.rank) if trainer.resume == "auto" else None
     if path is None:
         return 0
-    check_resume_step(trainer.max_steps, path, read_trainer_state(path).step)
+    recorded = read_trainer_state(path)
+    check_resume_step(trainer.max_steps, path, recorded.step)
+    changes = compare_fingerprints(recorded.fingerprint, fingerprint, path, recorded.step)
     state = load_checkpoint(path, model, optimizer, topology.rank)
     scheduler.load_state_dict(state.scheduler)
+    apply_optim_settings(optimizer, scheduler, config.optim)
+    for change in changes:
+        logger.info("resume: %s", change)
     if state.rows_consumed != state.step * schedule.rows_per_step:
         logger.warning(
             "resuming with a different dp * grad_accum (%d rows/step now, %d before): the data order "

@@ -25,7 +25,7 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,10 @@ _TMP_PREFIX = ".tmp-"
 
 @dataclass(frozen=True)
 class TrainerState:
-    """The non-tensor state of a checkpoint (``trainer_state.json``)."""
+    """The non-tensor state of a checkpoint (``trainer_state.json``).
+
+    ``fingerprint``: the run's settings a resume compares (``resume.run_fingerprint``; empty in older checkpoints).
+    """
 
     step: int
     rows_consumed: int
@@ -54,6 +57,7 @@ class TrainerState:
     world: int
     dp: int
     cp: int
+    fingerprint: dict[str, Any] = field(default_factory=dict)
 
 
 def checkpoint_dir(root: Path, step: int) -> Path:
