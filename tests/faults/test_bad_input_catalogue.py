@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 
-from nemo_automodel.components.checkpoint.resume import check_resume_step
-from nemo_automodel.components.config.checks import check_attn_backend, check_paths, check_run_dir
+from nemo_automodel.components.checkpoint.resume import check_resume_step, compare_fingerprints
+from nemo_automodel.components.config.checks import check_attn_backend, check_paths, check_positions, check_run_dir
 from nemo_automodel.components.config.schema import DataConfig, ModelConfig, register_schema, to_finetune_config
 from nemo_automodel.components.datasets.loader import prepare_data
 from nemo_automodel.components.datasets.packing import pack_documents
@@ -326,6 +326,14 @@ def _files(*names: str, first: bool = False, **fields: Any) -> None:
         check_paths(to_finetune_config({"data": {"source": "text", "path": path, **fields}}))
 
 
+def _short_position_table() -> None:
+    from transformers import LlamaConfig
+
+    with tempfile.TemporaryDirectory() as tmp:
+        LlamaConfig(max_position_embeddings=64).save_pretrained(tmp)
+        check_positions(tmp, 128)
+
+
 def _locked_run_dir() -> None:
     with tempfile.TemporaryDirectory() as tmp, hold_run_dir(Path(tmp)):
         hold_run_dir(Path(tmp)).__enter__()
@@ -530,7 +538,11 @@ RECIPE: dict[str, Callable[[], Any]] = {
     "launch-run-dir-not-shared": _run_dir_not_shared,
     "launch-slurm-nodelist": lambda: first_slurm_host("[bad"),
     "launch-run-dir-locked": _locked_run_dir,
+    "model-seq-len-positions": _short_position_table,
     "resume-max-steps-below": lambda: check_resume_step(3, Path("/run/checkpoints/step_00000010"), 10),
+    "resume-changed-data": lambda: compare_fingerprints(
+        {"data.seq_len": 256, "optim.lr": 0.1}, {"data.seq_len": 128, "optim.lr": 0.2}, Path("/run/step_3"), 3
+    ),
     "model-vocabulary": _small_vocabulary_model,
     "model-attention-never-cp": _attention_never_reached,
     "model-attention-never-cp1": lambda: _attention_never_reached(cp=1, route="hf_interface"),
