@@ -1,6 +1,6 @@
 """Graceful stop on SIGTERM / SIGUSR1 / the first Ctrl-C: finish the step, checkpoint, exit :data:`EXIT_PREEMPTED`.
 
-The contract (also in the README):
+The contract (also in docs/recipe.md):
 
 - exit 0: training reached ``trainer.max_steps`` (checkpoint and HF export written);
 - exit :data:`EXIT_PREEMPTED` (75, ``EX_TEMPFAIL``): a signal arrived, the current step

@@ -839,7 +839,7 @@ KERNELS: dict[str, KernelSpec] = {
 }
 
 # `auto` takes the first kernel of this list that can run. Why this order (the
-# README's "Kernels" section; benchmarks/gpu_check.py measures it on a GPU):
+# docs/kernels.md; benchmarks/gpu_check.py measures it on a GPU):
 # - fa3: FlashAttention-3 is the fastest varlen kernel on Hopper; it has no dropout
 #   and runs only on sm90 here, so elsewhere (or with dropout) it is skipped.
 # - flash: flash-attn 2, with dropout, on every GPU from Ampere on; it is also what
