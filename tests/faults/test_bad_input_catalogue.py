@@ -42,7 +42,7 @@ from nemo_automodel.components.distributed.blockdiag_cp import (
     plan,
 )
 from nemo_automodel.components.distributed.blockdiag_cp.layout import doc_runs_from_lengths, make_shard_plan
-from nemo_automodel.components.distributed.parallel import check_shared_run_dir, resolve_topology
+from nemo_automodel.components.distributed.parallel import check_shared_run_dir, omp_num_threads, resolve_topology
 from nemo_automodel.components.launcher.env import first_slurm_host
 from nemo_automodel.components.models.causal_lm import build_causal_lm
 from nemo_automodel.components.training.step import _check_cp_reached_attention
@@ -421,6 +421,7 @@ POSITIVE_FIELDS = (
     "dist.dp_size",
     "dist.pg_timeout_s",
     "dist.shutdown_timeout_s",
+    "dist.threads",
 )
 NON_NEGATIVE_FIELDS = ("optim.warmup_steps", "optim.grad_clip", "trainer.ckpt_every", "trainer.val_every")
 
@@ -502,6 +503,7 @@ RECIPE: dict[str, Callable[[], Any]] = {
     "launch-dp-size": lambda: resolve_topology(world=2, rank=0, local_rank=0, cp_size=2, dp_size=2),
     "launch-run-dir-not-shared": _run_dir_not_shared,
     "launch-slurm-nodelist": lambda: first_slurm_host("[bad"),
+    "launch-omp-num-threads": lambda: omp_num_threads("four"),
     "model-vocabulary": _small_vocabulary_model,
     "model-attention-never-cp": _attention_never_reached,
     "model-patch-sdpa-window": _patch_sdpa_window,

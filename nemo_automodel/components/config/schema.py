@@ -310,18 +310,24 @@ class DistConfig:
         master_port: Rendezvous port for local and Slurm launches (``None``: a free port / 29500).
         shutdown_timeout_s: After SIGTERM/SIGUSR1, how long the local launcher waits for workers to
             finish their step and checkpoint before killing them.
+        threads: Intra-op CPU threads per worker (``torch.set_num_threads``). ``None``: ``OMP_NUM_THREADS``
+            when set, else on CPU each worker's share of the cores (``cpu_count // local workers``), on CUDA
+            torch's default. The choice and its reason are logged.
     """
 
     dp_size: int | None = None
     pg_timeout_s: float = 300.0
     master_port: int | None = None
     shutdown_timeout_s: int = 300
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.dp_size is not None:
             _require_positive("dist.dp_size", self.dp_size)
         _require_positive("dist.pg_timeout_s", self.pg_timeout_s)
         _require_positive("dist.shutdown_timeout_s", self.shutdown_timeout_s)
+        if self.threads is not None:
+            _require_positive("dist.threads", self.threads)
 
 
 @dataclass
