@@ -22,11 +22,28 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from nemo_automodel.components.checkpoint.best import BEST_DIR, read_best, write_best
-from nemo_automodel.components.checkpoint.dcp import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
-from nemo_automodel.components.checkpoint.hf_export import export_config, export_dtype, export_hf
+from nemo_automodel.components.checkpoint.dcp import (
+    TrainerState,
+    latest_checkpoint,
+    load_checkpoint,
+    read_trainer_state,
+    save_checkpoint,
+)
+from nemo_automodel.components.checkpoint.hf_export import (
+    export_config,
+    export_dtype,
+    export_hf,
+    exported_at,
+    record_export,
+)
 from nemo_automodel.components.config.checks import check_attn_backend, check_paths, check_run_dir
 from nemo_automodel.components.config.errors import InputError, input_errors, report_input_error
-from nemo_automodel.components.config.schema import FinetuneConfig, to_finetune_config, to_plain_dict
+from nemo_automodel.components.config.schema import (
+    FinetuneConfig,
+    TrainerConfig,
+    to_finetune_config,
+    to_plain_dict,
+)
 from nemo_automodel.components.datasets.formats import answer_only
 from nemo_automodel.components.datasets.loader import PackedData, RowSchedule, load_data, rows_for_rank
 from nemo_automodel.components.datasets.tokenizer import HFTokenizer, build_tokenizer
@@ -51,7 +68,7 @@ from nemo_automodel.components.training.preemption import (
     EXIT_PREEMPTED,
     PreemptionFlag,
     clear_preempted_marker,
-    write_preempted_marker,
+    report_preempted,
 )
 from nemo_automodel.components.training.rng import seed_everything
 from nemo_automodel.components.training.step import (
@@ -158,7 +175,9 @@ def train(
         tokenizer = build_tokenizer(config.tokenizer, config.model.pretrained_path)
         # the job's c10d store (no public accessor; failure.py reads it the same way): rank 0 posts the data there
         data = load_data(config.data, tokenizer, topology.is_main, dist.distributed_c10d._get_default_store())
-        model = build_causal_lm(config.model, tokenizer.vocab_size, trainer.seed, trainer.activation_checkpointing)
+        model = build_causal_lm(
+            config.model, tokenizer.vocab_size, trainer.seed, trainer.activation_checkpointing, config.data.seq_len
+        )
     dataset = data.train
     schedule = RowSchedule(len(dataset), topology.dp, trainer.grad_accum, config.data.seed)
     hf_config = model.config
@@ -171,7 +190,7 @@ def train(
     validation = None if data.validation is None else rows_for_rank(data.validation, topology.dp, topology.dp_rank)
 
     ckpt_root = run_dir / "checkpoints"
-    start_step = _resume(trainer.resume, ckpt_root, model, optimizer, scheduler, topology, schedule)
+    start_step = _resume(trainer, ckpt_root, model, optimizer, scheduler, topology, schedule)
     best = read_best(run_dir) if trainer.keep_best else None
 
     def save(step: int, root: Path = ckpt_root, keep: int = trainer.keep_checkpoints) -> Path:
@@ -196,20 +215,43 @@ def train(
     )
     writer = MetricsWriter(run_dir, topology.is_main, start_step, trainer.max_steps, trainer.log_every)
     outputs = _Outputs(run_dir, latest_checkpoint(ckpt_root), best)
+    group = meshes.dp_cp.get_group()
+    # installed until the export is written: a signal in any phase ends with a checkpoint (preemption.py)
     preemption = PreemptionFlag().install()
+
+    def stop(step: int, checkpoint: Path, pending: str) -> int:
+        if topology.is_main:
+            report_preempted(run_dir, step, checkpoint, preemption.signal_name, pending)
+        writer.summary(f"preempted after step {step} of {trainer.max_steps}", outputs.places(), outputs.best)
+        return EXIT_PREEMPTED
+
     try:
         for step in range(start_step, trainer.max_steps):
             rows = [dataset.row(schedule.row_index(step, m, topology.dp_rank)) for m in range(trainer.grad_accum)]
             lr = scheduler.get_last_lr()[0]
             began = time.perf_counter()
-            preempt = preemption.signal_name is not None  # agreed over every rank in the step's all-reduce
             result = train_step(
-                model, optimizer, scheduler, rows, setup, step + 1, check_cp=step == start_step, preempt=preempt
+                model,
+                optimizer,
+                scheduler,
+                rows,
+                setup,
+                step + 1,
+                check_cp=step == start_step,
+                preempt=preemption.is_set,  # agreed over every rank in the step's all-reduce
             )
             elapsed = time.perf_counter() - began
             done = step + 1
             due = trainer.val_every and done % trainer.val_every == 0
-            val = validate(model, validation, setup) if validation and (due or done == trainer.max_steps) else None
+            val = (
+                validate(model, validation, setup, stop=preemption.is_set)
+                if validation and (due or done == trainer.max_steps)
+                else None
+            )
+            interrupted = val is not None and val.interrupted
+            if interrupted:
+                logger.warning("validation after step %d cut short by a signal: not recorded", done)
+                val = None
             writer.log(
                 StepMetrics(
                     step=done,
@@ -227,35 +269,42 @@ def train(
                     val_ppl=None if val is None else val.ppl,
                 )
             )
-            if val is not None and trainer.keep_best and (outputs.best is None or val.loss < outputs.best[1]):
+            saved_best = val is not None and trainer.keep_best and (outputs.best is None or val.loss < outputs.best[1])
+            if saved_best:
                 outputs.best = (done, val.loss)
                 path = save(done, run_dir / BEST_DIR, 1)
                 if topology.is_main:
                     write_best(run_dir, done, val.loss, path)
-            if done < trainer.max_steps and result.preempted:
+            periodic = bool(trainer.ckpt_every) and done % trainer.ckpt_every == 0 and done < trainer.max_steps
+            if periodic:
                 outputs.checkpoint = save(done)
-                if topology.is_main:
-                    write_preempted_marker(run_dir, done, outputs.checkpoint, preemption.signal_name)
-                    logger.warning(
-                        "preempted (%s) after step %d: checkpoint %s saved; exit %d = requeue me",
-                        preemption.signal_name or "signal on a peer rank",
-                        done,
-                        outputs.checkpoint,
-                        EXIT_PREEMPTED,
-                    )
-                writer.summary(f"preempted after step {done} of {trainer.max_steps}", outputs.places(), outputs.best)
-                return EXIT_PREEMPTED
-            if trainer.ckpt_every and done % trainer.ckpt_every == 0 and done < trainer.max_steps:
-                outputs.checkpoint = save(done)
+            # a signal during validation or a save arrived after the step's all-reduce: agree on it here
+            late = (interrupted or saved_best or periodic) and preemption.agreed(group, device)
+            if done < trainer.max_steps and (result.preempted or late):
+                if not periodic:
+                    outputs.checkpoint = save(done)
+                return stop(done, outputs.checkpoint, f"steps {done + 1}-{trainer.max_steps}")
+
+        if start_step < trainer.max_steps:
+            outputs.checkpoint = save(trainer.max_steps)
+            if preemption.agreed(group, device):  # a signal up to the end of the final save: export on requeue
+                return stop(trainer.max_steps, outputs.checkpoint, "the HF export" if trainer.export_hf else "nothing")
+        if trainer.export_hf and not exported_at(run_dir, trainer.max_steps):
+            outputs.export = _export(config, model, hf_config, tokenizer, run_dir / "hf", topology)
+            if topology.is_main:
+                record_export(run_dir, trainer.max_steps, outputs.export)
+            if preemption.agreed(group, device):  # the run is complete: the requeued run says so and stops
+                return stop(trainer.max_steps, outputs.checkpoint, "nothing")
+        elif trainer.export_hf:
+            outputs.export = run_dir / "hf"
     finally:
         preemption.uninstall()
         writer.close()
-
-    if start_step < trainer.max_steps:  # a run resumed at its last step has nothing new to save
-        outputs.checkpoint = save(trainer.max_steps)
-    if trainer.export_hf:
-        outputs.export = _export(config, model, hf_config, tokenizer, run_dir / "hf", topology)
-    writer.summary(f"finished {trainer.max_steps} steps", outputs.places(), outputs.best)
+    if start_step >= trainer.max_steps:
+        outcome = f"already complete at step {start_step}; raise trainer.max_steps to continue"
+    else:
+        outcome = f"finished {trainer.max_steps} steps"
+    writer.summary(outcome, outputs.places(), outputs.best)
     return 0
 
 
@@ -293,7 +342,7 @@ class _Outputs:
 
 
 def _resume(
-    mode: str,
+    trainer: TrainerConfig,
     ckpt_root: Path,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -301,10 +350,22 @@ def _resume(
     topology: Topology,
     schedule: RowSchedule,
 ) -> int:
-    """Load the latest complete checkpoint when ``trainer.resume=auto``; return the step to continue from."""
-    path = latest_checkpoint(ckpt_root) if mode == "auto" else None
+    """Load the latest complete checkpoint when ``trainer.resume=auto``; return the step to continue from.
+
+    Raises:
+        InputError: ``trainer.max_steps`` is below the checkpoint's step (nothing to train, and its export
+            would not be the model asked for).
+    """
+    path = latest_checkpoint(ckpt_root) if trainer.resume == "auto" else None
     if path is None:
         return 0
+    step = read_trainer_state(path).step
+    if step > trainer.max_steps:
+        raise InputError(
+            f"trainer.max_steps={trainer.max_steps} but {path} is already complete at step {step}; raise "
+            f"trainer.max_steps above {step} to continue, or pass a new hydra.run.dir to train {trainer.max_steps} "
+            "steps from scratch"
+        )
     state = load_checkpoint(path, model, optimizer, topology.rank)
     scheduler.load_state_dict(state.scheduler)
     if state.rows_consumed != state.step * schedule.rows_per_step:
@@ -314,7 +375,12 @@ def _resume(
             schedule.rows_per_step,
             state.rows_consumed // state.step,
         )
-    logger.info("resumed from %s (step %d)", path, state.step)
+    if state.step == trainer.max_steps:
+        logger.info(
+            "the run is already complete at step %d (%s); raise trainer.max_steps to continue", state.step, path
+        )
+    else:
+        logger.info("resumed from %s (step %d)", path, state.step)
     return state.step
 
 

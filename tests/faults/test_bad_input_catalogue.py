@@ -364,6 +364,26 @@ def _patch_sdpa_window() -> None:
         )
 
 
+def _saved_lfm2() -> None:
+    """A saved LFM2 (short convolutions along the sequence) loaded by the recipe's model builder."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.families import make_config
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config = make_config("lfm2")
+        config.vocab_size = 256
+        AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
+        build_causal_lm(ModelConfig(pretrained_path=tmp), 256, seed=0, activation_checkpointing=False, seq_len=64)
+
+
+def _packable(name: str, seq_len: int | None = None) -> None:
+    from nemo_automodel.components.models.packing_guard import check_packable_config
+    from tests.families import make_config
+
+    check_packable_config(make_config(name), seq_len=seq_len)
+
+
 def _patch_sdpa_config(config: Any) -> None:
     from nemo_automodel.components.models.attention_features import check_attention_route
 
@@ -398,8 +418,8 @@ def _attention_call(**kwargs: Any) -> Any:
     return cp_blockdiag_attention(_MistralLayer(), q, q, q, None, **kwargs)
 
 
-def _attention_never_reached() -> None:
-    setup = SimpleNamespace(meshes=SimpleNamespace(cp=SimpleNamespace(size=lambda: 2)), attention="patch_sdpa")
+def _attention_never_reached(cp: int = 2, route: str = "patch_sdpa") -> None:
+    setup = SimpleNamespace(meshes=SimpleNamespace(cp=SimpleNamespace(size=lambda: cp)), attention=route)
     ctx, _, _ = make_cp_blockdiag_batch_and_ctx(None, None, _row())
     with ctx() as state:  # a forward ran, but the model's attention never called CP attention
         _check_cp_reached_attention(setup, state)
@@ -506,6 +526,13 @@ RECIPE: dict[str, Callable[[], Any]] = {
     "launch-omp-num-threads": lambda: omp_num_threads("four"),
     "model-vocabulary": _small_vocabulary_model,
     "model-attention-never-cp": _attention_never_reached,
+    "model-attention-never-cp1": lambda: _attention_never_reached(cp=1, route="hf_interface"),
+    "model-packing-conv": _saved_lfm2,
+    "model-packing-state-space": lambda: _packable("qwen3_next"),
+    "model-packing-alibi": lambda: _packable("bloom"),
+    "model-packing-bypass": lambda: _packable("falcon"),
+    "model-packing-chunked": lambda: _packable("llama4_text", seq_len=5),
+    "model-packing-temperature": lambda: _packable("llama4_text", seq_len=4),
     "model-patch-sdpa-window": _patch_sdpa_window,
     "model-patch-sdpa-softcap": lambda: _patch_sdpa_config(_gemma2_config()),
     "model-patch-sdpa-sinks": lambda: _patch_sdpa_config(_gpt_oss_config()),

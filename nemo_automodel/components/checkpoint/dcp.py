@@ -129,6 +129,11 @@ def _prune(root: Path, keep: int) -> None:
         _remove(old)
 
 
+def read_trainer_state(path: Path) -> TrainerState:
+    """The checkpoint's ``trainer_state.json`` (step, rows consumed, scheduler, topology)."""
+    return TrainerState(**json.loads((path / TRAINER_STATE).read_text()))
+
+
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> TrainerState:
     """Collective: load model, optimizer and this rank's RNG from ``path``; return the trainer state.
 
@@ -138,7 +143,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     state_dict = {"model": model_sd, "optim": optim_sd}
     dcp.load(state_dict, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"])
-    trainer_state = TrainerState(**json.loads((path / TRAINER_STATE).read_text()))
+    trainer_state = read_trainer_state(path)
     rng_file = path / f"rng_rank{rank}.pt"
     if rng_file.is_file():
         set_rng_state(torch.load(rng_file, weights_only=False))

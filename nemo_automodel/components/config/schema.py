@@ -69,6 +69,9 @@ class ModelConfig:
         hidden_size / num_layers / num_heads / num_kv_heads / intermediate_size / rope_theta:
             Size of the built Llama (ignored with ``pretrained_path``).
         max_position_embeddings: RoPE table size of the built Llama (positions restart per document).
+        verify_packing: Refuse, at load, a model that packed training cannot compute exactly (token mixing
+            outside attention, ALiBi, attention that bypasses the interface), and run the packing-isolation
+            probe before step 1. ``false`` skips both, with a loud warning.
     """
 
     pretrained_path: str | None = None
@@ -80,6 +83,7 @@ class ModelConfig:
     intermediate_size: int = 768
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
+    verify_packing: bool = True
 
     def __post_init__(self) -> None:
         _require_choice("model.attention", self.attention, ATTENTION_ROUTES)

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedModel
 
 from nemo_automodel.components.config.schema import ModelConfig
 from nemo_automodel.components.models.attention_features import check_attention_route
 from nemo_automodel.components.models.cp_attention import attn_implementation_for, register_cp_attention
+from nemo_automodel.components.models.packing_guard import check_packable_config
+
+logger = logging.getLogger(__name__)
 
 
 def llama_config(cfg: ModelConfig, vocab_size: int) -> LlamaConfig:
@@ -58,7 +63,26 @@ def pretrained_dtype(path: str) -> torch.dtype | None:
     return dtype if isinstance(dtype, torch.dtype) else None
 
 
-def build_causal_lm(cfg: ModelConfig, vocab_size: int, seed: int, activation_checkpointing: bool) -> PreTrainedModel:
+def check_model_packable(config: PretrainedConfig, cfg: ModelConfig, seq_len: int | None) -> None:
+    """Before loading: refuse a model packed training cannot compute exactly, unless ``model.verify_packing=false``.
+
+    Raises:
+        PackingUnsupportedError: naming the model class and every layer type / module found (a ``ValueError``).
+    """
+    if cfg.verify_packing:
+        check_packable_config(config, cfg.attention, seq_len)
+        return
+    name = (getattr(config, "architectures", None) or [getattr(config, "model_type", "the model")])[0]
+    logger.warning(
+        "model.verify_packing=false: %s is NOT checked for token mixing outside attention and the packing-isolation "
+        "probe does not run; if the model mixes packed documents, training is silently wrong",
+        name,
+    )
+
+
+def build_causal_lm(
+    cfg: ModelConfig, vocab_size: int, seed: int, activation_checkpointing: bool, seq_len: int | None = None
+) -> PreTrainedModel:
     """The fp32 model in train mode, identical on every rank (same ``seed`` -> same weights).
 
     Args:
@@ -66,12 +90,20 @@ def build_causal_lm(cfg: ModelConfig, vocab_size: int, seed: int, activation_che
         vocab_size: Tokenizer vocabulary (the built model's embedding rows).
         seed: Seeds the random init of a built model.
         activation_checkpointing: Recompute decoder layers in backward (non-reentrant checkpoint).
+        seq_len: The packed row length (``data.seq_len``): chunked attention is exact on rows no longer than a
+            chunk (``None``: assume longer).
+
+    Raises:
+        PackingUnsupportedError: for a model packed training cannot compute exactly (:func:`check_model_packable`).
     """
     register_cp_attention()
     attn = attn_implementation_for(cfg.attention)
     if cfg.pretrained_path is not None:
         # before loading: transformers itself may refuse the route's implementation with a less useful message
-        check_attention_route(AutoConfig.from_pretrained(cfg.pretrained_path, local_files_only=True), cfg.attention)
+        config = AutoConfig.from_pretrained(cfg.pretrained_path, local_files_only=True)
+        check_attention_route(config, cfg.attention)
+        # SSM / conv / recurrent mixers, ALiBi, interface bypass: by name, before transformers can crash on them
+        check_model_packable(config, cfg, seq_len)
         model = AutoModelForCausalLM.from_pretrained(
             cfg.pretrained_path, local_files_only=True, dtype=torch.float32, attn_implementation=attn
         )
