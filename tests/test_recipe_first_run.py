@@ -1,14 +1,17 @@
-"""What a first run shows: the thread count the user set is honoured and logged, and ``resolved_config.yaml``
-records the model and tokenizer that trained."""
+"""What a first run shows: the thread count the user set is honoured and logged, ``resolved_config.yaml``
+records the model and tokenizer that trained, and a plain typo gets the did-you-mean first."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 import yaml
 
+from nemo_automodel.components.config.errors import EXIT_INPUT_ERROR
+from nemo_automodel.components.config.overrides import check_override_keys
 from nemo_automodel.components.distributed.parallel import choose_threads, set_threads
 from tests.recipe_helpers import TINY_MODEL, run_recipe, save_chat_model
 
@@ -72,3 +75,31 @@ def test_a_run_logs_its_threads_and_records_the_pretrained_models_shape_and_toke
     resolved = yaml.safe_load((tmp_path / "run" / "resolved_config.yaml").read_text())
     assert {k: resolved["model"][k] for k in TINY_MODEL} == TINY_MODEL, "the loaded model's shape, not the defaults"
     assert resolved["tokenizer"]["name_or_path"] == str(model_dir), "the model's own tokenizer trained"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["trainer.max_step=5"], "trainer.max_step: unknown key (did you mean trainer.max_steps?)"),
+        (["+cp=blockdiag", "cp.sise=4"], "cp.sise: unknown key (did you mean cp.size?)"),
+        (["traner.max_steps=5"], "traner: unknown key (did you mean trainer?)"),
+        (["dat=chat"], "dat: unknown key (did you mean data?)"),
+    ],
+)
+def test_a_plain_typo_gets_the_did_you_mean(argv, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_override_keys(argv)
+
+
+def test_valid_overrides_flags_additions_and_hydra_keys_pass_the_key_check():
+    check_override_keys(
+        ["-m", "--cfg", "job", "+cp=blockdiag", "cp.size=4", "data=chat", "optim.lr=1e-3,3e-3", "~trainer.seed"]
+        + ["hydra.run.dir=/tmp/x", "model.pretrained_path=/m", "dist.threads=2", "++trainer.new_key=1", "oops"]
+    )
+
+
+def test_the_command_line_typo_exits_65_with_the_did_you_mean_and_not_hydras_append_hint():
+    done = run_recipe(["trainer.max_step=5"], timeout=120)
+    assert done.returncode == EXIT_INPUT_ERROR
+    assert done.stderr.startswith("error: trainer.max_step: unknown key (did you mean trainer.max_steps?)")
+    assert "+trainer.max_step" not in done.stderr and "Traceback" not in done.stderr

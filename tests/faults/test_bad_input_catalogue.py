@@ -24,6 +24,7 @@ import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 
 from nemo_automodel.components.config.checks import check_attn_backend, check_paths, check_run_dir
+from nemo_automodel.components.config.overrides import check_override_keys
 from nemo_automodel.components.config.schema import DataConfig, ModelConfig, register_schema, to_finetune_config
 from nemo_automodel.components.datasets.loader import prepare_data
 from nemo_automodel.components.datasets.packing import pack_documents
@@ -453,7 +454,9 @@ def _run_dir_not_shared() -> None:
 
 
 RECIPE: dict[str, Callable[[], Any]] = {
-    "config-unknown-key": lambda: _compose("trainer.max_stepz=3"),
+    "config-unknown-key": lambda: check_override_keys(["+cp=blockdiag", "trainer.max_stepz=3"]),
+    "config-unknown-section": lambda: check_override_keys(["traner.max_steps=3"]),
+    "config-compose-unknown-key": lambda: _compose("trainer.max_stepz=3"),
     "config-wrong-type": lambda: _compose("trainer.max_steps=many"),
     "config-payload-unknown-key": lambda: to_finetune_config({"data": {"seq_length": 128}}),
     "config-cp-kv-exchange": _values("+cp=blockdiag", "cp.kv_exchange=ring"),

@@ -401,11 +401,11 @@ def to_finetune_config(cfg: DictConfig | dict[str, Any]) -> FinetuneConfig:
     merged = OmegaConf.merge(OmegaConf.structured(FinetuneConfig), cfg)
     # A key added with Hydra's `+` (e.g. `+trainer.max_step=5`, Hydra's own hint for a typo) passes
     # composition and the merge above, since the section it lands in is typed; refuse it like a typo.
-    _reject_unknown_keys(OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else cfg)
+    reject_unknown_keys(OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else cfg)
     return OmegaConf.to_object(merged)
 
 
-def _reject_unknown_keys(values: Any, schema: type = FinetuneConfig, prefix: str = "") -> None:
+def reject_unknown_keys(values: Any, schema: type = FinetuneConfig, prefix: str = "") -> None:
     """Raise a ``ValueError`` naming the first key of ``values`` that ``schema`` (a dataclass) lacks."""
     if not isinstance(values, dict):
         return
@@ -417,7 +417,7 @@ def _reject_unknown_keys(values: Any, schema: type = FinetuneConfig, prefix: str
             where = f"of {prefix.rstrip('.')}" if prefix else "at the top level"
             raise ValueError(f"{prefix}{key}: unknown key{hint}; valid keys {where}: {', '.join(known)}")
         if not prefix and is_dataclass(_SECTIONS.get(key)):
-            _reject_unknown_keys(value, _SECTIONS[key], f"{key}.")
+            reject_unknown_keys(value, _SECTIONS[key], f"{key}.")
 
 
 _SECTIONS: dict[str, type] = {
