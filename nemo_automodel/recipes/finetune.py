@@ -59,14 +59,16 @@ from nemo_automodel.components.distributed.parallel import (
     build_meshes,
     check_shared_run_dir,
     init_process_group,
+    omp_num_threads,
     resolve_topology,
+    set_threads,
     shard_model,
     training_device,
 )
 from nemo_automodel.components.launcher.env import detect_launch, is_secondary_rank
 from nemo_automodel.components.launcher.local import free_port, launch_local_workers
 from nemo_automodel.components.launcher.run_lock import RunDirInUseError, hold_run_dir
-from nemo_automodel.components.models.causal_lm import build_causal_lm, pretrained_dtype
+from nemo_automodel.components.models.causal_lm import build_causal_lm, model_shape, pretrained_dtype
 from nemo_automodel.components.training.failure import propagate_failures
 from nemo_automodel.components.training.metrics import LOG_FILE, MetricsWriter, StepMetrics, configure_logging
 from nemo_automodel.components.training.optim import build_optimizer, build_scheduler
@@ -99,6 +101,7 @@ def main(cfg: DictConfig, run_dir: Path) -> int:
     try:
         config = to_finetune_config(cfg)  # unknown keys and values fail here, before any process starts
         check_paths(config)
+        omp_num_threads(os.environ.get("OMP_NUM_THREADS"))  # a malformed value fails here, not in every worker
         if show:
             check_run_dir(config, run_dir)
     except ValueError as exc:
@@ -146,27 +149,35 @@ def worker_main(payload: dict[str, Any], run_dir: str) -> int:
         topology = resolve_topology(world, rank, local_rank, config.cp.size, config.dist.dp_size)  # no collective
     except ValueError as exc:
         return report_input_error(exc, rank == 0)
-    device = training_device(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    device = training_device(local_rank)
+    threads = set_threads(config.dist.threads, int(os.environ.get("LOCAL_WORLD_SIZE", world)), device)
     init_process_group(device, config.dist.pg_timeout_s)
     try:
         with propagate_failures(rank, world):  # a failure here is named on every rank, not just a broken collective
             shared = [run_dir]
             dist.broadcast_object_list(shared, src=0)  # under torchrun every rank's Hydra made its own dir: rank 0's
             try:
-                return train(config, Path(shared[0]), topology, device)
+                return train(config, Path(shared[0]), topology, device, threads)
             except InputError as exc:  # every rank raises it (config checks, rank 0's data outcome): rank 0 says it
                 return report_input_error(exc, topology.is_main)
     finally:
         dist.destroy_process_group()
 
 
-def train(config: FinetuneConfig, run_dir: Path, topology: Topology, device: torch.device) -> int:
+def train(
+    config: FinetuneConfig, run_dir: Path, topology: Topology, device: torch.device, threads: str | None = None
+) -> int:
     """Collective: the training job on an initialized process group; return 0 or :data:`EXIT_PREEMPTED`.
+
+    ``threads``: how :func:`worker_main` set this process's threads, to log (callers that set them
+    themselves, like the test pools, pass nothing).
 
     Raises:
         InputError: on every rank, for a config, path or data problem found while setting up.
     """
     configure_logging(topology.rank, run_dir)
+    if threads is not None:
+        logger.info("threads: %s", threads)
     trainer = config.trainer
     seed_everything(trainer.seed)
     with input_errors():
@@ -174,7 +185,7 @@ def train(config: FinetuneConfig, run_dir: Path, topology: Topology, device: tor
     meshes = build_meshes(topology, device, config.dist.pg_timeout_s)
     if topology.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(OmegaConf.create(to_plain_dict(config)), run_dir / "resolved_config.yaml")
+        _save_resolved_config(config, run_dir)  # early, so a run that fails while loading still has it
     check_shared_run_dir(run_dir, topology.rank)  # checkpoints need one run dir on every node
 
     with input_errors():
@@ -187,6 +198,8 @@ def train(config: FinetuneConfig, run_dir: Path, topology: Topology, device: tor
     dataset = data.train
     schedule = RowSchedule(len(dataset), topology.dp, trainer.grad_accum, config.data.seed)
     hf_config = model.config
+    if topology.is_main:  # again, now with what trains: the loaded model's shape, the tokenizer actually used
+        _save_resolved_config(config, run_dir, hf_config, tokenizer)
     model = shard_model(model.to(device), meshes.dp_cp)
     optimizer = build_optimizer(model, config.optim)
     scheduler = build_scheduler(optimizer, config.optim, trainer.max_steps)
@@ -317,6 +330,16 @@ def train(config: FinetuneConfig, run_dir: Path, topology: Topology, device: tor
         outcome = f"finished {trainer.max_steps} steps"
     writer.summary(outcome, outputs.places(), outputs.best)
     return 0
+
+
+def _save_resolved_config(config: FinetuneConfig, run_dir: Path, hf_config: Any = None, tokenizer: Any = None) -> None:
+    """``resolved_config.yaml``: the validated config; with ``hf_config``, the model's real shape and tokenizer."""
+    plain = to_plain_dict(config)
+    if hf_config is not None and config.model.pretrained_path is not None:
+        plain["model"].update(model_shape(hf_config))  # the checkpoint's shape, not the unused size fields
+    if isinstance(tokenizer, HFTokenizer) and config.tokenizer.name_or_path is None:
+        plain["tokenizer"]["name_or_path"] = tokenizer.name  # the model's own tokenizer
+    OmegaConf.save(OmegaConf.create(plain), run_dir / "resolved_config.yaml")
 
 
 @dataclass

@@ -25,6 +25,7 @@ from hydra import compose, initialize_config_dir
 
 from nemo_automodel.components.checkpoint.resume import check_resume_step, compare_fingerprints
 from nemo_automodel.components.config.checks import check_attn_backend, check_paths, check_positions, check_run_dir
+from nemo_automodel.components.config.overrides import check_override_keys
 from nemo_automodel.components.config.schema import DataConfig, ModelConfig, register_schema, to_finetune_config
 from nemo_automodel.components.datasets.loader import prepare_data
 from nemo_automodel.components.datasets.packing import pack_documents
@@ -43,7 +44,7 @@ from nemo_automodel.components.distributed.blockdiag_cp import (
     plan,
 )
 from nemo_automodel.components.distributed.blockdiag_cp.layout import doc_runs_from_lengths, make_shard_plan
-from nemo_automodel.components.distributed.parallel import check_shared_run_dir, resolve_topology
+from nemo_automodel.components.distributed.parallel import check_shared_run_dir, omp_num_threads, resolve_topology
 from nemo_automodel.components.launcher.env import first_slurm_host
 from nemo_automodel.components.launcher.run_lock import hold_run_dir
 from nemo_automodel.components.models.causal_lm import build_causal_lm
@@ -456,6 +457,7 @@ POSITIVE_FIELDS = (
     "dist.dp_size",
     "dist.pg_timeout_s",
     "dist.shutdown_timeout_s",
+    "dist.threads",
 )
 NON_NEGATIVE_FIELDS = ("optim.warmup_steps", "optim.grad_clip", "trainer.ckpt_every", "trainer.val_every")
 
@@ -467,7 +469,9 @@ def _run_dir_not_shared() -> None:
 
 
 RECIPE: dict[str, Callable[[], Any]] = {
-    "config-unknown-key": lambda: _compose("trainer.max_stepz=3"),
+    "config-unknown-key": lambda: check_override_keys(["+cp=blockdiag", "trainer.max_stepz=3"]),
+    "config-unknown-section": lambda: check_override_keys(["traner.max_steps=3"]),
+    "config-compose-unknown-key": lambda: _compose("trainer.max_stepz=3"),
     "config-wrong-type": lambda: _compose("trainer.max_steps=many"),
     "config-payload-unknown-key": lambda: to_finetune_config({"data": {"seq_length": 128}}),
     "config-cp-kv-exchange": _values("+cp=blockdiag", "cp.kv_exchange=ring"),
@@ -543,6 +547,7 @@ RECIPE: dict[str, Callable[[], Any]] = {
     "resume-changed-data": lambda: compare_fingerprints(
         {"data.seq_len": 256, "optim.lr": 0.1}, {"data.seq_len": 128, "optim.lr": 0.2}, Path("/run/step_3"), 3
     ),
+    "launch-omp-num-threads": lambda: omp_num_threads("four"),
     "model-vocabulary": _small_vocabulary_model,
     "model-attention-never-cp": _attention_never_reached,
     "model-attention-never-cp1": lambda: _attention_never_reached(cp=1, route="hf_interface"),
