@@ -39,6 +39,27 @@ def llama_config(cfg: ModelConfig, vocab_size: int) -> LlamaConfig:
     )
 
 
+def model_shape(config: PretrainedConfig) -> dict[str, int | float]:
+    """A loaded model's own values of :class:`ModelConfig`'s size fields (what ``resolved_config.yaml`` records).
+
+    The size fields configure a model built from config; with ``pretrained_path`` the checkpoint's
+    ``config.json`` decides the shape, so the record must show that shape, not the unused defaults. A field
+    the model's config does not have (another family's naming) is left out.
+    """
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    rope = getattr(text, "rope_parameters", None) or {}
+    values = {
+        "hidden_size": getattr(text, "hidden_size", None),
+        "num_layers": getattr(text, "num_hidden_layers", None),
+        "num_heads": getattr(text, "num_attention_heads", None),
+        "num_kv_heads": getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None),
+        "intermediate_size": getattr(text, "intermediate_size", None),
+        "rope_theta": rope.get("rope_theta", getattr(text, "rope_theta", None)) if isinstance(rope, dict) else None,
+        "max_position_embeddings": getattr(text, "max_position_embeddings", None),
+    }
+    return {k: v for k, v in values.items() if v is not None}
+
+
 def pretrained_dtype(path: str) -> torch.dtype | None:
     """The dtype a local checkpoint was saved in (its ``config.json``), or ``None`` when it does not say.
 
