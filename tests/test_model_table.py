@@ -74,3 +74,10 @@ def test_verify_packing_false_skips_the_refusal_loudly(caplog):
     with caplog.at_level("WARNING"):
         check_model_packable(config, ModelConfig(verify_packing=False), seq_len=64)
     assert "model.verify_packing=false" in caplog.text and "silently wrong" in caplog.text
+
+
+def test_a_vision_tower_is_not_a_packing_blocker():
+    """Gemma 3's SigLIP tower (torch MultiheadAttention, patch convolutions) mixes image patches, not the text row."""
+    from transformers import Gemma3Config
+
+    check_packable_config(Gemma3Config())

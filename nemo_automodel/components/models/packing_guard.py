@@ -181,7 +181,7 @@ def _bypasses_interface(module: torch.nn.Module) -> bool:
 
 def _module_kind(module: torch.nn.Module, route: str, alibi_off: bool) -> BlockerKind | None:
     """What sort of sequence mixing ``module`` itself does outside the attention interface, if any."""
-    if isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d)):
+    if isinstance(module, torch.nn.Conv1d):  # along the sequence (a vision tower's Conv2d mixes pixels, not tokens)
         return "convolution"
     if isinstance(module, torch.nn.RNNBase):
         return "recurrence"
@@ -196,12 +196,25 @@ def _module_kind(module: torch.nn.Module, route: str, alibi_off: bool) -> Blocke
     return None
 
 
+def _text_decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The text decoder (``get_decoder()``) of a multimodal model; the whole model when it has none."""
+    get = getattr(model, "get_decoder", None)
+    try:
+        decoder = get() if callable(get) else None
+    except (AttributeError, NotImplementedError):
+        decoder = None
+    return decoder if isinstance(decoder, torch.nn.Module) else model
+
+
 def _module_blockers(model: torch.nn.Module, config: Any, route: str) -> list[PackingBlocker]:
     """Modules that mix along the sequence outside attention, grouped by class (first place and count)."""
     flags = _alibi_flags(config)
     alibi_off = bool(flags) and not any(flags.values())  # Falcon with alibi=False: its own attention, no ALiBi
     found: dict[tuple[BlockerKind, str], list[str]] = {}
+    text = {id(m) for m in _text_decoder(model).modules()}
     for name, module in model.named_modules():
+        if id(module) not in text:  # a vision/audio tower mixes its own inputs, not the packed text row
+            continue
         kind = _module_kind(module, route, alibi_off)
         if kind is not None:
             found.setdefault((kind, type(module).__name__), []).append(name)
