@@ -21,6 +21,10 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from nemo_automodel.components.adapters.recipe import LoraRun, check_quantize, start_lora
+from nemo_automodel.components.checkpoint.adapter import ADAPTER_DIR, BASE_MODEL_FILE, LOAD_OPTIONS, SAVE_OPTIONS
+from nemo_automodel.components.checkpoint.adapter import check_resume as check_adapter_resume
+from nemo_automodel.components.checkpoint.adapter import save_outputs as save_adapter_outputs
 from nemo_automodel.components.checkpoint.best import BEST_DIR, read_best, write_best
 from nemo_automodel.components.checkpoint.dcp import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from nemo_automodel.components.checkpoint.hf_export import export_config, export_dtype, export_hf
@@ -137,6 +141,7 @@ def train(config: FinetuneConfig, run_dir: Path, topology: Topology, device: tor
     seed_everything(trainer.seed)
     with input_errors():
         check_attn_backend(config, device)  # an explicit kernel that cannot run here: refused before training
+        check_quantize(config.peft, device)  # QLoRA without CUDA or bitsandbytes: refused before loading anything
     meshes = build_meshes(topology, device, config.dist.pg_timeout_s)
     if topology.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -151,6 +156,10 @@ def train(config: FinetuneConfig, run_dir: Path, topology: Topology, device: tor
     dataset = data.train
     schedule = RowSchedule(len(dataset), topology.dp, trainer.grad_accum, config.data.seed)
     hf_config = model.config
+    lora: LoraRun | None = None
+    if config.peft.method == "lora":
+        with input_errors():
+            lora = start_lora(config, model, tokenizer, run_dir, topology.rank)
     model = shard_model(model.to(device), meshes.dp_cp)
     optimizer = build_optimizer(model, config.optim)
     scheduler = build_scheduler(optimizer, config.optim, trainer.max_steps)
@@ -158,14 +167,23 @@ def train(config: FinetuneConfig, run_dir: Path, topology: Topology, device: tor
     validation = None if data.validation is None else rows_for_rank(data.validation, topology.dp, topology.dp_rank)
 
     ckpt_root = run_dir / "checkpoints"
-    start_step = _resume(trainer.resume, ckpt_root, model, optimizer, scheduler, topology, schedule)
+    start_step = _resume(trainer.resume, ckpt_root, model, optimizer, scheduler, topology, schedule, lora)
     best = read_best(run_dir) if trainer.keep_best else None
 
     def save(step: int, root: Path = ckpt_root, keep: int = trainer.keep_checkpoints) -> Path:
         state = TrainerState(
             step, step * schedule.rows_per_step, scheduler.state_dict(), topology.world, topology.dp, topology.cp
         )
-        path = save_checkpoint(root, state, model, optimizer, keep, topology.rank)
+        path = save_checkpoint(
+            root,
+            state,
+            model,
+            optimizer,
+            keep,
+            topology.rank,
+            options=SAVE_OPTIONS if lora else None,  # LoRA: the adapters and their optimizer state only
+            records={BASE_MODEL_FILE: lora.base.record()} if lora else None,
+        )
         logger.info("checkpoint saved: %s", path)
         return path
 
@@ -240,8 +258,13 @@ def train(config: FinetuneConfig, run_dir: Path, topology: Topology, device: tor
 
     if start_step < trainer.max_steps:  # a run resumed at its last step has nothing new to save
         outputs.checkpoint = save(trainer.max_steps)
+    merged = None
+    if lora is not None:  # adapter/ in PEFT format; the export writes the merged model
+        outputs.adapter, merged = save_adapter_outputs(
+            model, lora.peft_model, hf_config, lora.base, run_dir / ADAPTER_DIR, topology.rank, trainer.export_hf
+        )
     if trainer.export_hf:
-        outputs.export = _export(config, model, hf_config, tokenizer, run_dir / "hf", topology)
+        outputs.export = _export(config, model, hf_config, tokenizer, run_dir / "hf", topology, merged)
     writer.summary(f"finished {trainer.max_steps} steps", outputs.places(), outputs.best)
     return 0
 
@@ -254,6 +277,7 @@ class _Outputs:
     checkpoint: Path | None
     best: tuple[int, float] | None
     export: Path | None = None
+    adapter: Path | None = None
 
     def places(self) -> dict[str, Path | None]:
         tensorboard = self.run_dir / "tensorboard"
@@ -264,6 +288,7 @@ class _Outputs:
             "log": self.run_dir / LOG_FILE,
             "checkpoint": self.checkpoint,
             "best checkpoint": best,
+            "LoRA adapter": self.adapter,
             "HF export": self.export,
             "tensorboard": tensorboard if tensorboard.is_dir() else None,
         }
@@ -277,12 +302,19 @@ def _resume(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     topology: Topology,
     schedule: RowSchedule,
+    lora: LoraRun | None,
 ) -> int:
-    """Load the latest complete checkpoint when ``trainer.resume=auto``; return the step to continue from."""
+    """Load the latest complete checkpoint when ``trainer.resume=auto``; return the step to continue from.
+
+    Raises:
+        InputError: on every rank, for a checkpoint of the other kind (LoRA vs full) or another LoRA base.
+    """
     path = latest_checkpoint(ckpt_root) if mode == "auto" else None
     if path is None:
         return 0
-    state = load_checkpoint(path, model, optimizer, topology.rank)
+    with input_errors():
+        check_adapter_resume(path, lora.base if lora else None)
+    state = load_checkpoint(path, model, optimizer, topology.rank, options=LOAD_OPTIONS if lora else None)
     scheduler.load_state_dict(state.scheduler)
     if state.rows_consumed != state.step * schedule.rows_per_step:
         logger.warning(
@@ -355,13 +387,22 @@ def _log_setup(
 
 
 def _export(
-    config: FinetuneConfig, model: torch.nn.Module, hf_config: Any, tokenizer: Any, out_dir: Path, topology: Topology
+    config: FinetuneConfig,
+    model: torch.nn.Module,
+    hf_config: Any,
+    tokenizer: Any,
+    out_dir: Path,
+    topology: Topology,
+    weights: dict[str, torch.Tensor] | None = None,
 ) -> Path | None:
-    """Collective: the HF export (model in its dtype, inference config, tokenizer); rank 0 returns its path."""
+    """Collective: the HF export (model in its dtype, inference config, tokenizer); rank 0 returns its path.
+
+    ``weights``: the full weights to write instead of ``model``'s (LoRA: merged on rank 0, ``{}`` elsewhere).
+    """
     pretrained = config.model.pretrained_path
     dtype = export_dtype(config.trainer.export_dtype, pretrained_dtype(pretrained) if pretrained else None)
     out_config = export_config(hf_config, dtype, tokenizer.eos_id, tokenizer.pad_id, built=pretrained is None)
-    path = export_hf(model, out_config, out_dir, topology.rank, dtype)
+    path = export_hf(model, out_config, out_dir, topology.rank, dtype, weights)
     if path is not None:
         if isinstance(tokenizer, HFTokenizer):
             tokenizer.save_pretrained(path)
