@@ -76,7 +76,7 @@ def segments_reference(
 ) -> torch.Tensor:
     """``q [1, Hq, L, D]`` over packed ``k [1, Hkv, K, D]``, ``v [1, Hkv, K, Dv]`` -> ``[1, Hq, L, Dv]`` in float64.
 
-    ``meta`` is the group's :class:`~nemo_automodel.components.distributed.blockdiag_cp.kernels.VarlenMeta`;
+    ``meta`` is the group's :class:`~nemo_automodel.components.distributed.blockdiag_cp.metadata.VarlenMeta`;
     rows past ``n_real`` are zero.
 
     Written from the variant's definition, not from any library's parameters: the

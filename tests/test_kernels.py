@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_automodel.components.distributed.blockdiag_cp import kernels
+from nemo_automodel.components.distributed.blockdiag_cp import cpu_kernels, kernels
 from nemo_automodel.components.distributed.blockdiag_cp.variant import PLAIN, AttentionVariant
 from tests.reference import reference_attention
 
@@ -41,12 +41,12 @@ def _grads(fn, q, k, v):
 def test_segment_with_earlier_keys_matches_reference(monkeypatch, heads, q_len, k_len, path):
     q, k, v = _segment(q_len, k_len, heads)
     if path == "prefix_then_causal":
-        fn = lambda q, k, v: kernels._bottom_right_causal(q, k, v, None, 0.0)  # noqa: E731
+        fn = lambda q, k, v: cpu_kernels._bottom_right_causal(q, k, v, None, 0.0)  # noqa: E731
     else:
         if path == "masked_tiles_recomputed":  # tiles small enough to be checkpointed
-            monkeypatch.setattr(kernels, "_MASK_BUDGET", 128)
-            monkeypatch.setattr(kernels, "_TILE_ROWS", 4)
-        fn = lambda q, k, v: kernels._masked_tiles(q, k, v, None, 0.0, PLAIN, None)  # noqa: E731
+            monkeypatch.setattr(cpu_kernels, "_MASK_BUDGET", 128)
+            monkeypatch.setattr(cpu_kernels, "_TILE_ROWS", 4)
+        fn = lambda q, k, v: cpu_kernels._masked_tiles(q, k, v, None, 0.0, PLAIN, None)  # noqa: E731
     out, grads = _grads(fn, q, k, v)
     ref, ref_grads = _grads(_reference, q, k, v)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-11)
@@ -58,13 +58,13 @@ def test_cpu_path_saves_no_mask_sized_tensor():
     q, k, v = _segment(32, 4096, (2, 2))
     saved: list[int] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
-        kernels._bottom_right_causal(q, k, v, None, 0.0)
+        cpu_kernels._bottom_right_causal(q, k, v, None, 0.0)
     assert max(saved) < 32 * 4096  # inputs, output and log-sum-exp only: nothing [Q, K]-sized
 
 
 def test_dropout_uses_the_masked_path_and_still_runs():
     q, k, v = _segment(8, 24, (2, 2))
-    out = kernels._bottom_right_causal(q.float(), k.float(), v.float(), None, 0.5)
+    out = cpu_kernels._bottom_right_causal(q.float(), k.float(), v.float(), None, 0.5)
     assert out.shape == q.shape and torch.isfinite(out).all()
 
 
@@ -82,8 +82,8 @@ VARIANTS = {
 def test_masked_tiles_variants_match_reference(monkeypatch, name, q_len, k_len, recompute):
     """Windows, soft-cap and sinks on a segment with earlier keys, with and without per-tile recompute."""
     if recompute:
-        monkeypatch.setattr(kernels, "_MASK_BUDGET", 16)
-        monkeypatch.setattr(kernels, "_TILE_ROWS", 4)
+        monkeypatch.setattr(cpu_kernels, "_MASK_BUDGET", 16)
+        monkeypatch.setattr(cpu_kernels, "_TILE_ROWS", 4)
     spec = VARIANTS[name]
     q, k, v = _segment(q_len, k_len, (4, 2))
     sinks = torch.linspace(-1.0, 2.0, 4, dtype=torch.float64, requires_grad=True) if spec.get("sinks") else None
@@ -91,7 +91,7 @@ def test_masked_tiles_variants_match_reference(monkeypatch, name, q_len, k_len, 
     inputs = (q, k, v) if sinks is None else (q, k, v, sinks)
 
     def ours(q, k, v, *s):
-        return kernels._masked_tiles(q, k, v, None, 0.0, variant, variant.window)
+        return cpu_kernels._masked_tiles(q, k, v, None, 0.0, variant, variant.window)
 
     def reference(q, k, v, *s):
         prefix = k.shape[2] - q.shape[2]
@@ -120,7 +120,7 @@ def test_value_head_dim_may_differ_from_query_head_dim():
     """MLA models (DeepSeek-V3): ``Dv != D`` through the prefix path's fallback and SDPA."""
     q, k, _ = _segment(6, 20, (4, 2))
     v = torch.randn(1, 2, 20, 5, dtype=torch.float64, requires_grad=True)
-    out, grads = _grads_all(lambda q, k, v: kernels._bottom_right_causal(q, k, v, None, 0.0), (q, k, v))
+    out, grads = _grads_all(lambda q, k, v: cpu_kernels._bottom_right_causal(q, k, v, None, 0.0), (q, k, v))
     ref, ref_grads = _grads_all(_reference, (q, k, v))
     assert out.shape == (1, 4, 6, 5)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-11)
@@ -179,9 +179,9 @@ def test_sliding_window_is_mask_free_and_matches_reference(monkeypatch, batch, h
     def no_masks(*args, **kwargs):
         raise AssertionError("the CPU window path fell back to masked tiles")
 
-    monkeypatch.setattr(kernels, "_masked_tiles", no_masks)
+    monkeypatch.setattr(cpu_kernels, "_masked_tiles", no_masks)
     q, k, v = _window_segments(batch, q_len, q_len + prefix, heads)
-    got, got_grads = _grads_all(lambda q, k, v: kernels._bottom_right_window(q, k, v, None, 0.0, window), (q, k, v))
+    got, got_grads = _grads_all(lambda q, k, v: cpu_kernels._bottom_right_window(q, k, v, None, 0.0, window), (q, k, v))
     want, want_grads = _grads_all(lambda q, k, v: _window_reference(q, k, v, window), (q, k, v))
     torch.testing.assert_close(got, want, rtol=0, atol=1e-11)
     for g, w in zip(got_grads, want_grads):
@@ -193,7 +193,7 @@ def test_sliding_window_fallbacks_match_reference(q_len, prefix, window, dim_v):
     """``W == 1`` (no tile of ``W - 1`` rows) and ``Dv != D`` (the flash op's limit) take the masked tiles."""
     q, k, _ = _window_segments(2, q_len, q_len + prefix, (4, 2))
     v = torch.randn(2, 2, q_len + prefix, dim_v, dtype=torch.float64, requires_grad=True)
-    got, got_grads = _grads_all(lambda q, k, v: kernels._bottom_right_window(q, k, v, None, 0.0, window), (q, k, v))
+    got, got_grads = _grads_all(lambda q, k, v: cpu_kernels._bottom_right_window(q, k, v, None, 0.0, window), (q, k, v))
     want, want_grads = _grads_all(lambda q, k, v: _window_reference(q, k, v, window), (q, k, v))
     torch.testing.assert_close(got, want, rtol=0, atol=1e-11)
     for g, w in zip(got_grads, want_grads):
@@ -208,8 +208,8 @@ def test_sdpa_varlen_window_batches_segments_like_dense():
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(1, 4, meta.local_len, 8, generator=gen, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(1, 2, meta.kv_len, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in "kv")
-    got, got_grads = _grads_all(lambda q, k, v: kernels._sdpa_varlen(q, k, v, meta, None, 0.0, variant), (q, k, v))
-    want, want_grads = _grads_all(lambda q, k, v: kernels._dense(q, k, v, meta, None, 0.0, variant), (q, k, v))
+    got, got_grads = _grads_all(lambda q, k, v: cpu_kernels.sdpa_varlen(q, k, v, meta, None, 0.0, variant), (q, k, v))
+    want, want_grads = _grads_all(lambda q, k, v: cpu_kernels.dense(q, k, v, meta, None, 0.0, variant), (q, k, v))
     torch.testing.assert_close(got, want, rtol=0, atol=1e-11)
     for g, w in zip(got_grads, want_grads):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-11)
@@ -219,7 +219,7 @@ def test_sliding_window_saves_no_mask_sized_tensor():
     q, k, v = _window_segments(1, 2048, 2048 + 511, (2, 2))
     saved: list[int] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
-        kernels._bottom_right_window(q, k, v, None, 0.0, 512)
+        cpu_kernels._bottom_right_window(q, k, v, None, 0.0, 512)
     # q/k/v, the output and the log-sum-exp only: nothing [Q, K]- or [tile, W]-sized (a masked tile would be 256 x 767).
     assert max(saved) <= k.numel() < 256 * 767
 
@@ -228,7 +228,7 @@ def test_sliding_window_bfloat16_close_to_reference():
     q, k, v = _window_segments(2, 70, 70 + 20, (4, 2), dim=16)
     grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     half = [t.detach().bfloat16().requires_grad_() for t in (q, k, v)]
-    got = kernels._bottom_right_window(*half, None, 0.0, 21)
+    got = cpu_kernels._bottom_right_window(*half, None, 0.0, 21)
     got_grads = torch.autograd.grad(got, half, grad.bfloat16())
     want = _window_reference(q, k, v, 21)
     want_grads = torch.autograd.grad(want, (q, k, v), grad)

@@ -237,11 +237,11 @@ def _counting_all_reduce_calls(layers):
         with ctx() as st:
             for _ in range(layers):
                 cp_blockdiag_sdpa(q, k, v, enable_gqa=True)
-            plans = {id(st.cache.windows[None].kv_plan)}
+            plans = {id(st.cache.windows[None].kv_plan())}
             runtime._select_kv_exchange_path(
                 st, st.group, st.doc_ids, shard.local_len, q.device, st.row_offset, query_dtype=q.dtype
             )
-            plans.add(id(st.cache.windows[None].kv_plan))
+            plans.add(id(st.cache.windows[None].kv_plan()))
     finally:
         dist.all_reduce = original
     return len(calls), len(plans)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -72,6 +73,9 @@ class ModelConfig:
         hidden_size / num_layers / num_heads / num_kv_heads / intermediate_size / rope_theta:
             Size of the built Llama (ignored with ``pretrained_path``).
         max_position_embeddings: RoPE table size of the built Llama (positions restart per document).
+        verify_packing: Refuse, at load, a model that packed training cannot compute exactly (token mixing
+            outside attention, ALiBi, attention that bypasses the interface), and run the packing-isolation
+            probe before step 1. ``false`` skips both, with a loud warning.
     """
 
     pretrained_path: str | None = None
@@ -83,6 +87,7 @@ class ModelConfig:
     intermediate_size: int = 768
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
+    verify_packing: bool = True
 
     def __post_init__(self) -> None:
         _require_choice("model.attention", self.attention, ATTENTION_ROUTES)
@@ -313,18 +318,24 @@ class DistConfig:
         master_port: Rendezvous port for local and Slurm launches (``None``: a free port / 29500).
         shutdown_timeout_s: After SIGTERM/SIGUSR1, how long the local launcher waits for workers to
             finish their step and checkpoint before killing them.
+        threads: Intra-op CPU threads per worker (``torch.set_num_threads``). ``None``: ``OMP_NUM_THREADS``
+            when set, else on CPU each worker's share of the cores (``cpu_count // local workers``), on CUDA
+            torch's default. The choice and its reason are logged.
     """
 
     dp_size: int | None = None
     pg_timeout_s: float = 300.0
     master_port: int | None = None
     shutdown_timeout_s: int = 300
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.dp_size is not None:
             _require_positive("dist.dp_size", self.dp_size)
         _require_positive("dist.pg_timeout_s", self.pg_timeout_s)
         _require_positive("dist.shutdown_timeout_s", self.shutdown_timeout_s)
+        if self.threads is not None:
+            _require_positive("dist.threads", self.threads)
 
 
 @dataclass
@@ -412,11 +423,21 @@ class FinetuneConfig:
             )
 
 
+# Files shipped with the package (the chat demo's corpus and tokenizer): `${nemo_asset:chat_demo/chats.jsonl}`.
+ASSETS_ROOT = Path(__file__).resolve().parents[2] / "assets"
+
+
 def register_schema() -> None:
-    """Store :class:`FinetuneConfig` as ``finetune_schema`` (the first entry of ``conf/finetune.yaml``'s defaults)."""
+    """Store :class:`FinetuneConfig` as ``finetune_schema`` (the first entry of ``conf/finetune.yaml``'s defaults).
+
+    Also registers the ``nemo_asset`` resolver: ``${nemo_asset:<name>}`` is the absolute path of a file the
+    package ships (``nemo_automodel/assets/<name>``), whatever the working directory.
+    """
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="finetune_schema", node=FinetuneConfig)
+    if not OmegaConf.has_resolver("nemo_asset"):
+        OmegaConf.register_new_resolver("nemo_asset", lambda name: str(ASSETS_ROOT / name))
 
 
 def to_finetune_config(cfg: DictConfig | dict[str, Any]) -> FinetuneConfig:
@@ -428,11 +449,11 @@ def to_finetune_config(cfg: DictConfig | dict[str, Any]) -> FinetuneConfig:
     merged = OmegaConf.merge(OmegaConf.structured(FinetuneConfig), cfg)
     # A key added with Hydra's `+` (e.g. `+trainer.max_step=5`, Hydra's own hint for a typo) passes
     # composition and the merge above, since the section it lands in is typed; refuse it like a typo.
-    _reject_unknown_keys(OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else cfg)
+    reject_unknown_keys(OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else cfg)
     return OmegaConf.to_object(merged)
 
 
-def _reject_unknown_keys(values: Any, schema: type = FinetuneConfig, prefix: str = "") -> None:
+def reject_unknown_keys(values: Any, schema: type = FinetuneConfig, prefix: str = "") -> None:
     """Raise a ``ValueError`` naming the first key of ``values`` that ``schema`` (a dataclass) lacks."""
     if not isinstance(values, dict):
         return
@@ -444,7 +465,7 @@ def _reject_unknown_keys(values: Any, schema: type = FinetuneConfig, prefix: str
             where = f"of {prefix.rstrip('.')}" if prefix else "at the top level"
             raise ValueError(f"{prefix}{key}: unknown key{hint}; valid keys {where}: {', '.join(known)}")
         if not prefix and is_dataclass(_SECTIONS.get(key)):
-            _reject_unknown_keys(value, _SECTIONS[key], f"{key}.")
+            reject_unknown_keys(value, _SECTIONS[key], f"{key}.")
 
 
 _SECTIONS: dict[str, type] = {

@@ -13,13 +13,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from nemo_automodel.components.distributed.blockdiag_cp import consensus, cost
 from nemo_automodel.components.distributed.blockdiag_cp import state as state_module
-from nemo_automodel.components.distributed.blockdiag_cp.kernels import build_window_plan
 from nemo_automodel.components.distributed.blockdiag_cp.layout import (
     DocRuns,
     ShardPlan,
     doc_runs_from_ids,
     make_shard_plan,
 )
+from nemo_automodel.components.distributed.blockdiag_cp.metadata import build_window_plan
 from nemo_automodel.components.distributed.blockdiag_cp.state import StepState
 
 # Sequence-aligned batch fields that are padded and sharded (``position_ids``

@@ -2,7 +2,7 @@
 
 Each kernel takes local queries ``q [1, Hq, L, D]`` and packed keys/values
 ``k [1, Hkv, K, D]``, ``v [1, Hkv, K, Dv]`` described by a
-:class:`~.kernels.VarlenMeta`, and returns ``[1, Hq, L, Dv]`` with zero padding
+:class:`~.metadata.VarlenMeta`, and returns ``[1, Hq, L, Dv]`` with zero padding
 rows. What each library can run is decided in :mod:`.gpu_libraries` from facts
 probed once; the functions here adapt those rules to the registry
 (:data:`~.kernels.KERNELS`) and call the libraries through the probed functions.
@@ -40,7 +40,7 @@ from nemo_automodel.components.distributed.blockdiag_cp.logs import log_once
 from nemo_automodel.components.distributed.blockdiag_cp.variant import PLAIN, AttentionVariant
 
 if TYPE_CHECKING:
-    from nemo_automodel.components.distributed.blockdiag_cp.kernels import VarlenMeta
+    from nemo_automodel.components.distributed.blockdiag_cp.metadata import VarlenMeta
 
 logger = logging.getLogger(__name__)
 

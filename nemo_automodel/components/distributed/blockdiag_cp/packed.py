@@ -29,8 +29,8 @@ from torch.utils.hooks import RemovableHandle
 
 from nemo_automodel.components.distributed.blockdiag_cp import kernels
 from nemo_automodel.components.distributed.blockdiag_cp import state as state_module
-from nemo_automodel.components.distributed.blockdiag_cp.kernels import VarlenMeta
 from nemo_automodel.components.distributed.blockdiag_cp.layout import ShardPlan, doc_runs_from_ids, make_shard_plan
+from nemo_automodel.components.distributed.blockdiag_cp.metadata import VarlenMeta
 from nemo_automodel.components.distributed.blockdiag_cp.state import ThreadSharedSlot
 from nemo_automodel.components.distributed.blockdiag_cp.variant import PLAIN, AttentionVariant
 

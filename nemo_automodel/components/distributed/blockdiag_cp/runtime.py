@@ -32,9 +32,9 @@ from nemo_automodel.components.distributed.blockdiag_cp import consensus, cost, 
 from nemo_automodel.components.distributed.blockdiag_cp import state as state_module
 from nemo_automodel.components.distributed.blockdiag_cp.consensus import CallRecorder, group_size
 from nemo_automodel.components.distributed.blockdiag_cp.exchange import ExchangeOp, KVPlan, Route
-from nemo_automodel.components.distributed.blockdiag_cp.kernels import AttentionGroup
 from nemo_automodel.components.distributed.blockdiag_cp.logs import log_once
-from nemo_automodel.components.distributed.blockdiag_cp.state import StepState, WindowPlan
+from nemo_automodel.components.distributed.blockdiag_cp.metadata import AttentionGroup, WindowPlan, build_window_plan
+from nemo_automodel.components.distributed.blockdiag_cp.state import StepState
 from nemo_automodel.components.distributed.blockdiag_cp.variant import PLAIN, AttentionVariant
 
 logger = logging.getLogger(__name__)
@@ -215,22 +215,19 @@ def _auto_choice(state: StepState, plan: KVPlan, device: torch.device, window: i
 def _window_plan(state: StepState, window: int | None, device: torch.device) -> WindowPlan:
     """This rank's plan for ``window``: built once per step from the replicated shard plan (no communication)."""
     if window not in state.cache.windows:
-        state.cache.windows[window] = kernels.build_window_plan(state.shard_plan, state.cp_rank, window, device)
+        state.cache.windows[window] = build_window_plan(state.shard_plan, state.cp_rank, window, device)
     return state.cache.windows[window]
 
 
 def _kv_plan(state: StepState, window: int | None = None, device: torch.device | None = None) -> KVPlan:
-    """The replicated exchange plan of ``window``, computed once per step and reused by every layer and recompute."""
-    memo = _window_plan(state, window, device or state.positions.device)
-    if memo.kv_plan is None:
-        memo.kv_plan = exchange.compute_kv_plan(state.shard_plan, window)
-    return memo.kv_plan
+    """The replicated exchange plan of ``window``, computed once per row and reused by every layer and recompute."""
+    return _window_plan(state, window, device or state.positions.device).kv_plan()
 
 
 def _route(state: StepState, device: torch.device, window: int | None = None) -> Route:
     """The K/V route of ``window``'s calls (path, plan, sends, where each group's keys are), built on first use."""
-    memo = _window_plan(state, window, device)
-    if memo.route is None:
+
+    def choose(_: WindowPlan) -> tuple[str, KVPlan | None, str]:
         if state.cp_size > 1:  # before any knob decides anything: every rank takes part in the (one-time) gather
             topology.group_hosts(state.group)
         path, plan, reason = _select_kv_exchange_path(
@@ -238,9 +235,9 @@ def _route(state: StepState, device: torch.device, window: int | None = None) ->
         )
         if window is not None:
             reason = f"{reason} (sliding_window={window}: keys inside the window only)"
-        ranges = [group.kv_ranges for group in memo.groups]
-        memo.route = exchange.make_route(path, reason, plan, ranges, state.cp_rank, state.cp_size, state.local_len)
-    return memo.route
+        return path, plan, reason
+
+    return _window_plan(state, window, device).route(choose)
 
 
 def _kernel_for(
@@ -370,6 +367,7 @@ def _query_parts(plan: WindowPlan, query: torch.Tensor) -> tuple[list[torch.Tens
 def _attend(
     state: StepState,
     plan: WindowPlan,
+    route: Route,
     kernel: str,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -384,8 +382,6 @@ def _attend(
     Returns:
         ``[1, Hq, L, Dv]`` in local row order; padding rows are zero.
     """
-    route = plan.route
-    assert route is not None, "the route is built before the first exchange"
     local = (key.split(route.local_cuts, dim=2), value.split(route.local_cuts, dim=2))
     op: ExchangeOp | None = None
     token = received = None
@@ -542,7 +538,7 @@ def cp_blockdiag_sdpa(
     )
     plan = state.cache.windows[variant.window]
     recorder = CallRecorder(state.failures, call)
-    out = _attend(state, plan, kernel, query, key, value, scale, dropout_p, variant, recorder)
+    out = _attend(state, plan, route, kernel, query, key, value, scale, dropout_p, variant, recorder)
     _record_stats(state, plan, route, kernel, key, value)
     return out
 

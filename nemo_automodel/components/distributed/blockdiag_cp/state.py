@@ -21,9 +21,8 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
     from nemo_automodel.components.distributed.blockdiag_cp.cost import Shape
-    from nemo_automodel.components.distributed.blockdiag_cp.exchange import KVPlan, Route
-    from nemo_automodel.components.distributed.blockdiag_cp.kernels import AttentionGroup, VarlenMeta
-    from nemo_automodel.components.distributed.blockdiag_cp.layout import RankSegments, ShardPlan
+    from nemo_automodel.components.distributed.blockdiag_cp.layout import ShardPlan
+    from nemo_automodel.components.distributed.blockdiag_cp.metadata import WindowPlan
 
 # Canonical value -> accepted spellings (the canonical value is one of them).
 ATTN_BACKEND_SYNONYMS: dict[str, tuple[str, ...]] = {
@@ -221,36 +220,6 @@ def cp_varlen_runtime_config() -> dict[str, Any]:
         "check_finite": options.check_finite,
         "consensus": options.consensus,
     }
-
-
-@dataclass
-class WindowPlan:
-    """This rank's attention plan for one sliding window (``None``: full causal), shared by its layers.
-
-    Built from the replicated shard plan (no communication): the full-attention
-    plan at batch-build time, a windowed one at the step's first call with that
-    window. The exchange memo is filled on first use.
-
-    Attributes:
-        window: The sliding window ``W`` (``None``: full causal).
-        segments: This rank's local segments and the keys inside their window.
-        varlen_meta: Kernel metadata of all the segments over the ``L`` rows.
-        groups: The attention groups (local keys first, then remote keys).
-        merge_index: Row permutation restoring local order after concatenating the
-            groups' outputs and the padding rows (``None``: already in order).
-        kv_plan: The replicated needed-only exchange plan (set on the first call that needs it).
-        route: The K/V route (path, plan, reason, per-group key sources), set on the first call.
-        auto_choice: ``kv_exchange=auto``'s ``(path, reason)`` for this window.
-    """
-
-    window: int | None
-    segments: RankSegments
-    varlen_meta: VarlenMeta
-    groups: tuple[AttentionGroup, ...]
-    merge_index: torch.Tensor | None
-    kv_plan: KVPlan | None = None
-    route: Route | None = None
-    auto_choice: tuple[str, str] | None = None
 
 
 # (dtype, device, head_dim, dropout > 0, AttentionVariant.key)

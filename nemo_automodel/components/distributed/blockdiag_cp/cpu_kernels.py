@@ -1,0 +1,526 @@
+"""The CPU-capable kernels: per-document SDPA (``sdpa_varlen``) and one masked SDPA call (``dense``).
+
+Both follow the kernel contract of :mod:`.metadata` (``q [1, Hq, L, D]`` against
+packed ``k [1, Hkv, K, D]``, ``v [1, Hkv, K, Dv]``, bottom-right causal per
+segment, zero padding rows) and run on any device and floating dtype. They are
+registered in :mod:`.kernels`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from nemo_automodel.components.distributed.blockdiag_cp.logs import log_once
+from nemo_automodel.components.distributed.blockdiag_cp.metadata import VarlenMeta
+from nemo_automodel.components.distributed.blockdiag_cp.variant import PLAIN, AttentionVariant
+
+logger = logging.getLogger(__name__)
+
+# Torch's SDPA, captured before anything in this package can patch it.
+TORCH_SDPA = F.scaled_dot_product_attention
+
+# `sdpa_varlen` handles a segment with earlier keys in row tiles with an explicit
+# mask: at most this many rows per tile (the masked-out half of a tile's diagonal
+# block is computed anyway, so smaller tiles waste less) and at most this many
+# mask elements per call.
+_TILE_ROWS = 256
+_MASK_BUDGET = 1 << 24
+
+
+def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``0`` where allowed, ``-inf`` elsewhere: the fused CPU kernel converts boolean masks to this on every call."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+def _pad_rows(out: torch.Tensor, local_len: int) -> torch.Tensor:
+    """Append zero rows to ``out [1, Hq, n_real, Dv]`` up to ``local_len``."""
+    missing = local_len - out.shape[2]
+    if missing == 0:
+        return out
+    return torch.cat((out, out.new_zeros(out.shape[0], out.shape[1], missing, out.shape[3])), dim=2)
+
+
+def _dense_allowed(meta: VarlenMeta) -> torch.Tensor:
+    """Boolean ``[n_real, K]`` mask on the host: same document, key position <= query position, inside the window."""
+    q_lens, k_lens = torch.tensor(meta.q_lens), torch.tensor(meta.k_lens)
+    doc_q = torch.repeat_interleave(torch.arange(len(meta.q_lens)), q_lens)
+    doc_k = torch.repeat_interleave(torch.arange(len(meta.k_lens)), k_lens)
+    cu_q = torch.tensor([0, *itertools.accumulate(meta.q_lens)])
+    cu_k = torch.tensor([0, *itertools.accumulate(meta.k_lens)])
+    # Position inside the document; queries are shifted by the left straddle (bottom-right causal).
+    pos_q = torch.arange(meta.n_real) - cu_q[doc_q] + (k_lens - q_lens)[doc_q]
+    pos_k = torch.arange(meta.kv_len) - cu_k[doc_k]
+    allowed = (doc_q[:, None] == doc_k[None, :]) & (pos_k[None, :] <= pos_q[:, None])
+    if meta.window is not None:
+        allowed &= pos_k[None, :] > pos_q[:, None] - meta.window
+    return allowed
+
+
+def _dense_mask(meta: VarlenMeta, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The ``[n_real, K]`` mask of ``meta`` (additive in ``dtype``, or boolean for ``torch.bool``).
+
+    Built once per step on the host and copied once, then shared by every layer
+    (building it on the device from the host lists would cost host-device
+    copies, i.e. syncs, in every layer).
+    """
+    key = (str(dtype), str(device))
+    if key not in meta._masks:
+        allowed = _dense_allowed(meta)
+        meta._masks[key] = (allowed if dtype == torch.bool else _additive_mask(allowed, dtype)).to(device)
+    return meta._masks[key]
+
+
+def explicit_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    scale: float | None,
+    dropout_p: float,
+    variant: AttentionVariant,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention with explicit scores, for what SDPA cannot express (soft-cap, sinks).
+
+    The order of transformers' eager attention: scaled scores, soft-cap, additive
+    ``bias``, mask, softmax in at least fp32 (with the sinks), dropout, values.
+
+    Args:
+        q: Queries ``[B, Hq, T, D]``.
+        k: Keys ``[B, Hkv, S, D]``.
+        v: Values ``[B, Hkv, S, Dv]``.
+        allowed: Boolean, broadcastable to ``[B, Hq, T, S]``: which keys each row attends.
+        bias: Optional additive mask broadcastable to the scores (a caller's float attention mask).
+        scale: Softmax scale (``None``: ``D ** -0.5``).
+        dropout_p: Dropout on the attention weights.
+        variant: Soft-cap (applied to the scaled scores before masking) and sinks ``[Hq]``
+            (one extra logit per head in each row's softmax, with no value).
+
+    Returns:
+        ``[B, Hq, T, Dv]``. Scores ``[B, Hq, T, S]`` are materialized: callers tile rows.
+    """
+    if q.shape[1] != k.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if variant.softcap is not None:
+        scores = torch.tanh(scores / variant.softcap) * variant.softcap
+    if bias is not None:
+        scores = scores + bias.to(scores.dtype)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if variant.sinks is not None:
+        sink = variant.sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        scores = torch.cat((scores, sink), dim=-1)
+    # Softmax in at least fp32, like transformers' eager attention.
+    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype)
+    if variant.sinks is not None:
+        probs = probs[..., :-1]  # the sink takes its share of the denominator and adds no value
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, p=dropout_p)
+    return torch.matmul(probs, v)
+
+
+def dense(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: VarlenMeta,
+    scale: float | None,
+    dropout_p: float,
+    variant: AttentionVariant = PLAIN,
+) -> torch.Tensor:
+    """One masked SDPA call over all real rows; the ``[n_real, K]`` mask is explicit.
+
+    Soft-cap and sinks, which SDPA cannot express, use explicit scores over the same mask.
+    """
+    rows = q if meta.n_real == q.shape[2] else q[:, :, : meta.n_real]
+    if variant.scores_changed:
+        allowed = _dense_mask(meta, torch.bool, q.device)
+        return _pad_rows(explicit_attention(rows, k, v, allowed, scale, dropout_p, variant), meta.local_len)
+    gqa = q.shape[1] != k.shape[1]
+    if gqa and q.device.type != "cpu":
+        # CUDA's memory-efficient kernel (the one that takes arbitrary masks) has no
+        # GQA support; with enable_gqa the dispatcher would pick the math kernel and
+        # materialize fp32 scores. Expanding K/V keeps the efficient kernel.
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        gqa = False
+    if dropout_p > 0.0 and q.device.type == "cpu":
+        log_once(
+            logger,
+            "dense-cpu-dropout",
+            logging.WARNING,
+            "dense CP attention with dropout on CPU uses the math SDPA kernel (materializes scores)",
+        )
+    out = TORCH_SDPA(
+        rows,
+        k,
+        v,
+        attn_mask=_dense_mask(meta, q.dtype, q.device),
+        dropout_p=dropout_p,
+        scale=scale,
+        enable_gqa=gqa,
+    )
+    return _pad_rows(out, meta.local_len)
+
+
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+class _PrefixThenCausal(torch.autograd.Function):
+    """Bottom-right causal attention of ``q [1, Hq, Q, D]`` over ``k/v [1, Hkv, P + Q, D]`` without a mask (CPU).
+
+    Split the keys: every row sees all ``P`` prefix keys (one unmasked flash
+    call) and the last ``Q`` keys causally (one ``is_causal`` call on a square);
+    the two partial softmaxes merge through their log-sum-exps. Backward calls
+    the flash backward per key block with the *merged* output and log-sum-exp,
+    which gives each block its exact gradient (the ring-attention identity).
+    Masks would cost memory (SDPA saves them) and, on CPU, most of the time.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+        prefix = k.shape[2] - q.shape[2]
+        blocks = (_KeyBlock(0, prefix, "none"), _KeyBlock(prefix, q.shape[2], "causal"))
+        parts = [_flash_block(q, *_block_keys(k, v, block), block.mask, scale) for block in blocks]
+        out, lse = _merge_blocks(parts, q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.blocks = scale, blocks
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        grad = grad.contiguous()
+        grads = [
+            _flash_block_backward(grad, q, *_block_keys(k, v, block), out, lse, block.mask, ctx.scale)
+            for block in ctx.blocks
+        ]
+        dq = sum(g[0] for g in grads)
+        return dq, torch.cat([g[1] for g in grads], dim=2), torch.cat([g[2] for g in grads], dim=2), None
+
+
+def _block_keys(k: torch.Tensor, v: torch.Tensor, block: _KeyBlock) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values ``[B, Hkv, length, D]`` of one key block."""
+    keys = slice(block.start, block.start + block.length)
+    return k[:, :, keys], v[:, :, keys]
+
+
+def _cpu_flash_applies(q: torch.Tensor, v: torch.Tensor, dropout_p: float) -> bool:
+    """Whether torch's private CPU flash ops can serve the mask-free paths: CPU, no dropout, ``Dv == D``."""
+    fused = _CPU_FLASH is not None and _CPU_FLASH_BACKWARD is not None
+    return fused and q.device.type == "cpu" and dropout_p == 0.0 and v.shape[3] == q.shape[3]
+
+
+def _bottom_right_causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, dropout_p: float
+) -> torch.Tensor:
+    """One segment whose ``q [1, Hq, Q, D]`` rows are the last ``Q`` of its ``k [1, Hkv, K, D]`` keys.
+
+    Query row ``i`` sees keys ``[0, K - Q + i]``: SDPA's ``is_causal`` (aligned
+    top-left) does not fit. On CPU without dropout: :class:`_PrefixThenCausal`
+    (no mask); elsewhere :func:`_masked_tiles`.
+    """
+    if _cpu_flash_applies(q, v, dropout_p):
+        return _PrefixThenCausal.apply(q, k, v, scale)
+    return _masked_tiles(q, k, v, scale, dropout_p, PLAIN, None)
+
+
+@dataclass(frozen=True)
+class _KeyBlock:
+    """Keys of tile 0 of a :class:`_TileRun` (tile ``i``'s start ``i * rows`` later) and how its rows see them.
+
+    Attributes:
+        start: First key (segment-relative).
+        length: Keys in the block.
+        mask: ``"causal"`` (row ``r`` sees keys ``<= r``: top-left ``is_causal``), ``"reversed"`` (row ``r``
+            sees keys ``>= r - (rows - length)``: ``is_causal`` once rows and keys are flipped) or ``"none"``.
+    """
+
+    start: int
+    length: int
+    mask: str
+
+
+@dataclass(frozen=True)
+class _TileRun:
+    """``count`` consecutive row tiles of one shape of a windowed segment; each tile is one batch entry.
+
+    Attributes:
+        first_row: First query row of tile 0.
+        rows: Query rows per tile.
+        count: Tiles in the run (``> 1`` only for unclipped tiles whose blocks are all ``rows`` keys long,
+            so stacking and unstacking is a reshape).
+        blocks: The non-empty key blocks of tile 0.
+    """
+
+    first_row: int
+    rows: int
+    count: int
+    blocks: tuple[_KeyBlock, ...]
+
+
+def _window_tile(prefix: int, window: int, first_row: int, rows: int) -> tuple[_KeyBlock, ...]:
+    """Key blocks of the tile of ``rows <= window - 1`` query rows starting at ``first_row``.
+
+    Row ``r`` sits at key position ``p = prefix + first_row + r`` and sees keys ``(p - window, p]``. With
+    ``c = window - 1`` and ``a = prefix + first_row``, the tile's keys ``[a - c, a + rows)`` split into
+    ``[a - c, a - c + rows)``: row ``r`` sees its keys from index ``r`` on, a triangle that reversing rows
+    and keys turns into top-left causal (clipping at key 0 drops its earliest keys, the last columns once
+    reversed, so reversed row ``r'`` still sees exactly the keys ``<= r'`` that remain);
+    ``[a - c + rows, a)``: seen by every row; ``[a, a + rows)``: top-left causal.
+    """
+    c, a = window - 1, prefix + first_row
+    edges = (max(0, a - c), max(0, a - c + rows), a, a + rows)
+    kinds = ("reversed", "none", "causal")
+    return tuple(_KeyBlock(lo, hi - lo, kind) for lo, hi, kind in zip(edges, edges[1:], kinds) if hi > lo)
+
+
+def _window_runs(q_len: int, k_len: int, window: int) -> tuple[_TileRun, ...]:
+    """Tiles of ``window - 1`` rows over a segment's ``q_len`` rows, consecutive tiles of one shape merged.
+
+    Only the first tile can be clipped at key 0 and only the last can be short, so there are at most three runs.
+    """
+    prefix, c = k_len - q_len, window - 1
+    runs: list[_TileRun] = []
+    for first_row in range(0, q_len, c):
+        rows = min(c, q_len - first_row)
+        blocks = _window_tile(prefix, window, first_row, rows)
+        last = runs[-1] if runs else None
+        shifted = last is not None and last.rows == rows and all(b.length == rows for b in last.blocks)
+        if shifted and blocks == tuple(_KeyBlock(b.start + last.count * rows, b.length, b.mask) for b in last.blocks):
+            runs[-1] = _TileRun(last.first_row, rows, last.count + 1, last.blocks)
+        else:
+            runs.append(_TileRun(first_row, rows, 1, blocks))
+    return tuple(runs)
+
+
+def _tiles(x: torch.Tensor, start: int, length: int, count: int) -> torch.Tensor:
+    """``x [B, H, n, ...]``'s ``count`` consecutive blocks of ``length`` from ``start``, stacked tile-major:
+    ``[B * count, H, length, ...]``."""
+    return x[:, :, start : start + count * length].unflatten(2, (count, length)).transpose(1, 2).flatten(0, 1)
+
+
+def _untiles(x: torch.Tensor, count: int) -> torch.Tensor:
+    """Inverse of :func:`_tiles`: ``[B * count, H, length, ...]`` -> ``[B, H, count * length, ...]``."""
+    return x.unflatten(0, (-1, count)).transpose(1, 2).flatten(2, 3)
+
+
+def _flash_block(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str, scale: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU flash attention of ``q [N, Hq, T, D]`` over one key block ``k/v [N, Hkv, S, D]``.
+
+    Returns:
+        ``(out [N, Hq, T, D], lse [N, Hq, T])``.
+    """
+    if mask == "reversed":
+        out, lse = _CPU_FLASH(q.flip(2), k.flip(2), v.flip(2), 0.0, True, scale=scale)
+        return out.flip(2), lse.flip(2)
+    return _CPU_FLASH(q, k, v, 0.0, mask == "causal", scale=scale)
+
+
+def _flash_block_backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    mask: str,
+    scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of one key block given the *merged* ``out [N, Hq, T, D]`` and ``lse [N, Hq, T]``."""
+    if mask == "reversed":  # flip every row-indexed tensor and the keys, as in forward; flip the gradients back
+        flipped = (t.flip(2) for t in (grad, q, k, v, out, lse))
+        return tuple(g.flip(2) for g in _CPU_FLASH_BACKWARD(*flipped, 0.0, True, scale=scale))
+    return _CPU_FLASH_BACKWARD(grad, q, k, v, out, lse, 0.0, mask == "causal", scale=scale)
+
+
+def _merge_blocks(parts: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Merge partial softmaxes ``(out [N, H, T, D], lse [N, H, T])`` over disjoint key blocks into ``(out, lse)``."""
+    if len(parts) == 1:
+        return parts[0][0].to(dtype), parts[0][1]
+    lse = torch.stack([lse for _, lse in parts]).logsumexp(dim=0)
+    out = sum(torch.exp(part_lse - lse).unsqueeze(-1) * part for part, part_lse in parts)
+    return out.to(dtype), lse
+
+
+class _SlidingWindow(torch.autograd.Function):
+    """Bottom-right sliding-window attention of ``q [B, Hq, Q, D]`` over ``k/v [B, Hkv, P + Q, D]`` without a
+    mask (CPU): row ``i`` sees keys ``(P + i - W, P + i]``.
+
+    Rows are cut into tiles of ``W - 1`` (:func:`_window_runs`); each tile attends at most three key blocks
+    with mask-free flash calls (:func:`_window_tile`), merged through their log-sum-exps, and tiles of one
+    shape share one call per block (stacked in the batch dim). Backward calls the flash backward per block
+    with the merged output and log-sum-exp, like :class:`_PrefixThenCausal`. Work is about ``W`` keys per row
+    (the flash kernel skips the masked halves); only q/k/v, the output and ``lse [B, Hq, Q]`` are saved.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float | None
+    ) -> torch.Tensor:
+        runs = _window_runs(q.shape[2], k.shape[2], window)
+        outs, lses = [], []
+        for run in runs:
+            q_tiles = _tiles(q, run.first_row, run.rows, run.count)
+            parts = [
+                _flash_block(q_tiles, *(_tiles(x, b.start, b.length, run.count) for x in (k, v)), b.mask, scale)
+                for b in run.blocks
+            ]
+            out, lse = _merge_blocks(parts, q.dtype)
+            outs.append(_untiles(out, run.count))
+            lses.append(_untiles(lse, run.count))
+        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.runs = scale, runs
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        grad = grad.contiguous()
+        # A key gets gradient from two tiles: accumulate in at least fp32 so half precision rounds once.
+        acc = torch.promote_types(k.dtype, torch.float32)
+        dq = torch.empty_like(q)
+        dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (k, v))
+        for run in ctx.runs:
+            rows = (_tiles(x, run.first_row, run.rows, run.count) for x in (grad, q, out, lse))
+            g_t, q_t, o_t, l_t = rows
+            dq_t = None
+            for b in run.blocks:
+                k_t, v_t = (_tiles(x, b.start, b.length, run.count) for x in (k, v))
+                gq, gk, gv = _flash_block_backward(g_t, q_t, k_t, v_t, o_t, l_t, b.mask, ctx.scale)
+                dq_t = gq if dq_t is None else dq_t + gq
+                dk[:, :, b.start : b.start + run.count * b.length] += _untiles(gk, run.count)
+                dv[:, :, b.start : b.start + run.count * b.length] += _untiles(gv, run.count)
+            dq[:, :, run.first_row : run.first_row + run.count * run.rows] = _untiles(dq_t, run.count)
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def _bottom_right_window(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, dropout_p: float, window: int
+) -> torch.Tensor:
+    """Segments ``q [B, Hq, Q, D]`` whose rows are the last ``Q`` of ``k [B, Hkv, K, D]``, sliding ``window < K``.
+
+    On CPU without dropout (and ``Dv == D``, ``window >= 2``): :class:`_SlidingWindow` (no mask); elsewhere
+    :func:`_masked_tiles`. ``window == 1`` (each row sees itself) has no tile of ``window - 1`` rows.
+    """
+    if _cpu_flash_applies(q, v, dropout_p) and window >= 2:
+        return _SlidingWindow.apply(q, k, v, window, scale)
+    return _masked_tiles(q, k, v, scale, dropout_p, PLAIN, window)
+
+
+def _masked_tiles(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float | None,
+    dropout_p: float,
+    variant: AttentionVariant,
+    window: int | None,
+) -> torch.Tensor:
+    """Segments ``q [B, Hq, Q, D]`` whose rows are the last ``Q`` of ``k [B, Hkv, K, D]``, in row tiles with masks.
+
+    Row ``i`` sees keys ``(K - Q + i - window, K - Q + i]`` (``window=None``: from
+    key 0). Each tile reads only the keys its rows see; a tile of ``T`` rows
+    computes about ``T^2 / 2`` masked pairs in vain. Plain attention runs as
+    masked SDPA, soft-cap and sinks with explicit scores
+    (:func:`explicit_attention`). SDPA saves its mask for backward, so when the
+    tiles' masks would add up to more than ``_MASK_BUDGET`` elements each tile is
+    checkpointed (its mask and scores are rebuilt in backward) and memory stays
+    one tile's worth.
+    """
+    q_len, k_len = q.shape[2], k.shape[2]
+    prefix = k_len - q_len
+    span = k_len if window is None else min(k_len, window - 1 + _TILE_ROWS)  # keys a tile reads, at most
+    rows = max(1, min(q_len, _TILE_ROWS, _MASK_BUDGET // span))
+    recompute = torch.is_grad_enabled() and q_len * span > _MASK_BUDGET
+    explicit = variant.scores_changed
+
+    def tile(
+        q_rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first_row: int, first_key: int
+    ) -> torch.Tensor:
+        last = prefix + first_row + torch.arange(q_rows.shape[2], device=q.device)  # last key each row sees
+        key_pos = first_key + torch.arange(keys.shape[2], device=q.device)
+        allowed = key_pos[None, :] <= last[:, None]
+        if window is not None:
+            allowed &= key_pos[None, :] > last[:, None] - window
+        if explicit:
+            return explicit_attention(q_rows, keys, values, allowed, scale, dropout_p, variant)
+        return TORCH_SDPA(
+            q_rows,
+            keys,
+            values,
+            attn_mask=_additive_mask(allowed, q.dtype),
+            dropout_p=dropout_p,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+
+    outs = []
+    for a in range(0, q_len, rows):
+        b = min(q_len, a + rows)
+        lo = 0 if window is None else max(0, prefix + a - window + 1)
+        args = (q[:, :, a:b], k[:, :, lo : prefix + b], v[:, :, lo : prefix + b], a, lo)
+        outs.append(checkpoint(tile, *args, use_reentrant=False) if recompute else tile(*args))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+def sdpa_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: VarlenMeta,
+    scale: float | None,
+    dropout_p: float,
+    variant: AttentionVariant = PLAIN,
+) -> torch.Tensor:
+    """Per-document SDPA; segments of the same shape share one batched call.
+
+    Square segments (keys start at their first row) run as ``is_causal`` SDPA,
+    segments with earlier keys as :func:`_bottom_right_causal`, segments whose
+    sliding window is shorter than their keys as :func:`_bottom_right_window`,
+    and soft-cap or sinks (which SDPA cannot express) as :func:`_masked_tiles`;
+    memory stays O(tokens) (the fused kernels skip the masked half), and on
+    short rows with many same-shape segments the per-call overhead is paid
+    once per shape, not per segment.
+    """
+    gqa = q.shape[1] != k.shape[1]
+    explicit = variant.scores_changed
+    # One split per tensor, not a slice per segment: autograd fills one zero gradient per slice.
+    padding = q.shape[2] - meta.n_real
+    qs = q.split([*meta.q_lens, padding], dim=2)
+    ks, vs = k.split(meta.k_lens, dim=2), v.split(meta.k_lens, dim=2)
+    outs: list[torch.Tensor | None] = [None] * len(meta.q_lens)
+    for batch in meta.batches:
+        qb, kb, vb = (_stacked(parts, batch.indices) for parts in (qs, ks, vs))
+        # A window at least as long as the segment's keys hides nothing: plain causal.
+        window = meta.window if meta.window is not None and meta.window < batch.k_len else None
+        if explicit:
+            ob = _masked_tiles(qb, kb, vb, scale, dropout_p, variant, window)
+        elif window is not None:
+            ob = _bottom_right_window(qb, kb, vb, scale, dropout_p, window)
+        elif batch.k_len == batch.q_len:
+            ob = TORCH_SDPA(qb, kb, vb, is_causal=True, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
+        else:
+            ob = _bottom_right_causal(qb, kb, vb, scale, dropout_p)
+        for j, i in enumerate(batch.indices):
+            outs[i] = ob[j : j + 1] if len(batch.indices) > 1 else ob
+    if padding:
+        outs.append(qs[-1].new_zeros(*qs[-1].shape[:3], v.shape[3]))  # [1, Hq, padding, Dv]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+def _stacked(parts: tuple[torch.Tensor, ...], indices: tuple[int, ...]) -> torch.Tensor:
+    """``parts[i]`` (each ``[1, H, n, D]``) for ``i`` in ``indices``, stacked: ``[len(indices), H, n, D]``."""
+    return parts[indices[0]] if len(indices) == 1 else torch.cat([parts[i] for i in indices])
