@@ -23,6 +23,9 @@ import torch
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 
+from nemo_automodel.components.adapters.lora import setup_lora
+from nemo_automodel.components.adapters.recipe import check_quantize
+from nemo_automodel.components.checkpoint.adapter import BASE_MODEL_FILE, BaseModel, check_resume
 from nemo_automodel.components.checkpoint.resume import check_resume_step, compare_fingerprints
 from nemo_automodel.components.config.checks import check_attn_backend, check_paths, check_positions, check_run_dir
 from nemo_automodel.components.config.overrides import check_override_keys
@@ -567,7 +570,46 @@ RECIPE: dict[str, Callable[[], Any]] = {
     "attention-bad-window": lambda: _attention_call(sliding_window=0),
 }
 
-TRIGGERS: dict[str, Callable[[], Any]] = {**BATCH, **QKV, **KERNEL, **CORE, **RECIPE}
+_TINY_LLAMA = ("model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1")
+
+
+def _lora(*overrides: str) -> Any:
+    """``peft=lora`` on a tiny built Llama: the recipe's adapter set-up (no process group)."""
+    config = _config("peft=lora", *_TINY_LLAMA, *overrides)
+    model = build_causal_lm(config.model, 256, seed=0, activation_checkpointing=False)
+    return setup_lora(model, config.peft, "base")
+
+
+def _saved_adapter_mismatch() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        _lora("peft.r=4").save_pretrained(tmp)
+        _lora("peft.r=8", f"peft.adapter_path={tmp}")
+
+
+def _resume(saved: BaseModel | None, ours: BaseModel | None) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        if saved is not None:
+            (Path(tmp) / BASE_MODEL_FILE).write_text(json.dumps(saved.record()))
+        check_resume(Path(tmp), ours)
+
+
+_BASE_A, _BASE_B = BaseModel("/models/a", "a" * 64), BaseModel("/models/b", "b" * 64)
+LORA: dict[str, Callable[[], Any]] = {
+    "lora-target-unknown": lambda: _lora("peft.target_modules=[qproj]"),
+    "lora-target-not-linear": lambda: _lora("peft.target_modules=[mlp]"),
+    "lora-target-empty": _values("peft=lora", "peft.target_modules=[]"),
+    "lora-dropout": _values("peft=lora", "peft.dropout=1.0"),
+    "lora-without-peft": _values("peft.adapter_path=/adapters/a"),
+    "lora-quantize-value": _values("peft=lora", "peft.quantize=8bit"),
+    "lora-quantize-cpu": lambda: check_quantize(_config("peft=lora", "peft.quantize=4bit").peft, torch.device("cpu")),
+    "lora-adapter-path-empty": lambda: _lora(f"peft.adapter_path={tempfile.gettempdir()}"),
+    "lora-adapter-mismatch": _saved_adapter_mismatch,
+    "lora-resume-full-checkpoint": lambda: _resume(None, _BASE_A),
+    "lora-resume-without-peft": lambda: _resume(_BASE_A, None),
+    "lora-resume-other-base": lambda: _resume(_BASE_A, _BASE_B),
+}
+
+TRIGGERS: dict[str, Callable[[], Any]] = {**BATCH, **QKV, **KERNEL, **CORE, **RECIPE, **LORA}
 
 
 def _outcome(trigger_id: str) -> tuple[str | None, str]:

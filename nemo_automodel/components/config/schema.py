@@ -44,6 +44,10 @@ EXPORT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 RESUME_MODES = ("auto", "never")
 # What a step with NaN/Inf in attention inputs, loss or gradient norm does (every rank agrees).
 NONFINITE_POLICIES = ("stop", "skip")
+# Parameter-efficient fine-tuning: none (full fine-tuning) or LoRA adapters (Hugging Face peft).
+PEFT_METHODS = ("none", "lora")
+# Base weights of a LoRA run: as trained (none) or 4-bit (QLoRA: CUDA and bitsandbytes only).
+QUANTIZE_MODES = ("none", "4bit")
 
 
 def _require_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -335,8 +339,51 @@ class DistConfig:
 
 
 @dataclass
+class PeftConfig:
+    """Parameter-efficient fine-tuning (``peft=lora`` selects ``conf/peft/lora.yaml``); see docs/lora.md.
+
+    Attributes:
+        method: ``none`` (full fine-tuning) or ``lora`` (frozen base, trained LoRA adapters).
+        r: Adapter rank.
+        alpha: LoRA scaling numerator: updates are scaled by ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA).
+        dropout: Dropout on the adapters' input (each CP rank draws masks for its own tokens, so
+            ``dropout > 0`` does not reproduce ``cp = 1`` bitwise; ``0`` does).
+        target_modules: Leaf names of the linear layers to adapt (e.g. ``[q_proj, v_proj]``); ``None``: every
+            linear projection of attention and MLP in the decoder layers, resolved per model and logged.
+        use_dora: Weight-decomposed LoRA (DoRA).
+        use_rslora: Rank-stabilized scaling ``alpha / sqrt(r)``.
+        adapter_path: A saved PEFT adapter directory to continue training (its r, alpha and targets must
+            match this config).
+        quantize: ``none`` or ``4bit`` (QLoRA: the frozen base in 4 bits; needs CUDA and bitsandbytes).
+    """
+
+    method: str = "none"
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: list[str] | None = None
+    use_dora: bool = False
+    use_rslora: bool = False
+    adapter_path: str | None = None
+    quantize: str = "none"
+
+    def __post_init__(self) -> None:
+        _require_choice("peft.method", self.method, PEFT_METHODS)
+        _require_choice("peft.quantize", self.quantize, QUANTIZE_MODES)
+        _require_positive("peft.r", self.r)
+        _require_positive("peft.alpha", self.alpha)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"peft.dropout={self.dropout} must be in [0, 1)")
+        if self.target_modules is not None and not self.target_modules:
+            raise ValueError("peft.target_modules=[] adapts nothing; list module names or use null for the default")
+        if self.method == "none" and (self.adapter_path is not None or self.quantize != "none"):
+            name = "peft.adapter_path" if self.adapter_path is not None else "peft.quantize"
+            raise ValueError(f"{name} needs LoRA: add peft=lora to the command line")
+
+
+@dataclass
 class FinetuneConfig:
-    """The whole recipe (``conf/finetune.yaml`` picks the groups; ``cp`` is added with ``+cp=blockdiag``)."""
+    """The whole recipe (``conf/finetune.yaml`` picks the groups; ``+cp=blockdiag`` adds ``cp``, ``peft=lora`` LoRA)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
@@ -345,6 +392,7 @@ class FinetuneConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     cp: CPConfig = field(default_factory=CPConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
 
     def __post_init__(self) -> None:
         if self.model.pretrained_path is None and self.data.seq_len > self.model.max_position_embeddings:
@@ -428,6 +476,7 @@ _SECTIONS: dict[str, type] = {
     "trainer": TrainerConfig,
     "cp": CPConfig,
     "dist": DistConfig,
+    "peft": PeftConfig,
 }
 
 
