@@ -24,7 +24,6 @@ from omegaconf import DictConfig, OmegaConf
 from nemo_automodel.components.checkpoint.best import BEST_DIR, read_best, write_best
 from nemo_automodel.components.checkpoint.dcp import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from nemo_automodel.components.checkpoint.hf_export import export_config, export_dtype, export_hf
-from nemo_automodel.components.config.checks import check_attn_backend, check_paths, check_run_dir
 from nemo_automodel.components.config.errors import InputError, input_errors, report_input_error
 from nemo_automodel.components.config.schema import FinetuneConfig, to_finetune_config, to_plain_dict
 from nemo_automodel.components.datasets.formats import answer_only
@@ -60,6 +59,7 @@ from nemo_automodel.components.training.step import (
     train_step,
     validate,
 )
+from nemo_automodel.recipes.checks import check_attn_backend, check_paths, check_run_dir
 
 logger = logging.getLogger("nemo_automodel.finetune")
 
