@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from nemo_automodel.components.adapters.recipe import LoraRun, check_quantize, start_lora
 from nemo_automodel.components.checkpoint.adapter import ADAPTER_DIR, BASE_MODEL_FILE, LOAD_OPTIONS, SAVE_OPTIONS
 from nemo_automodel.components.checkpoint.adapter import check_resume as check_adapter_resume
 from nemo_automodel.components.checkpoint.adapter import save_outputs as save_adapter_outputs
@@ -48,7 +47,6 @@ from nemo_automodel.components.checkpoint.resume import (
     compare_fingerprints,
     run_fingerprint,
 )
-from nemo_automodel.components.config.checks import check_attn_backend, check_paths, check_run_dir
 from nemo_automodel.components.config.errors import InputError, input_errors, report_input_error
 from nemo_automodel.components.config.schema import (
     FinetuneConfig,
@@ -91,6 +89,8 @@ from nemo_automodel.components.training.step import (
     train_step,
     validate,
 )
+from nemo_automodel.recipes.checks import check_attn_backend, check_paths, check_run_dir
+from nemo_automodel.recipes.lora import LoraRun, check_quantize, start_lora
 
 logger = logging.getLogger("nemo_automodel.finetune")
 
