@@ -285,6 +285,7 @@ CORE: dict[str, Callable[[], Any]] = {
     "plan-doc-lens-too-long": lambda: _planner("--cp", "2", "--seq-len", "64", "--doc-lens", "60,8"),
     "plan-data-core": lambda: _core_planner("--cp", "2", "--seq-len", "64", "--data", "data.jsonl"),
     "plan-data-missing": lambda: _planner("--cp", "2", "--seq-len", "64", "--data", "/nonexistent/data.jsonl"),
+    "plan-model-missing": lambda: _planner("--cp", "2", "--seq-len", "8", "--doc-lens", "8", "--model", "/nonexistent"),
     "plan-data-line": lambda: _planner_data('{"text": "abc"}\n[1, 2]\n'),
     "plan-lib-lengths": lambda: doc_runs_from_lengths([3, 0]),
     "plan-lib-total": lambda: doc_runs_from_lengths([5], 3),
