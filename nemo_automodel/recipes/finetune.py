@@ -416,7 +416,8 @@ def _resume(
 
     Raises:
         InputError: ``trainer.max_steps`` is below the checkpoint's step (nothing to train, and its export
-            would not be the model asked for), or a setting changed that changes what the run trains on.
+            would not be the model asked for), or a setting changed that changes what the run trains on, or
+            a checkpoint of the other kind (LoRA vs full) or of another LoRA base.
     """
     trainer = config.trainer
     path = newest_intact(ckpt_root, topology.rank) if trainer.resume == "auto" else None
