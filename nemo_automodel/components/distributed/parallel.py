@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from nemo_automodel.components.distributed.blockdiag_cp import topology as hosts
+from nemo_automodel.components.training.cpu_memory import fix_mmap_threshold
 
 logger = logging.getLogger(__name__)
 
@@ -71,12 +72,15 @@ def training_device(local_rank: int, local_world: int) -> torch.device:
     """CUDA (this process's local GPU) when available, else CPU with this process's share of the cores.
 
     Without the share every CPU worker would start one thread per core and the
-    ``local_world`` workers of a node would oversubscribe it several times over.
+    ``local_world`` workers of a node would oversubscribe it several times over. On CPU the
+    allocator also returns freed tensor memory at once (:mod:`...training.cpu_memory`), so
+    peak memory per rank follows the rank's live tensors, which CP shards.
     """
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    fix_mmap_threshold()
     return torch.device("cpu")
 
 
