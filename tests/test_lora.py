@@ -15,7 +15,6 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from nemo_automodel.components.adapters.lora import resolve_target_modules
-from nemo_automodel.components.adapters.recipe import check_quantize
 from nemo_automodel.components.checkpoint.adapter import BaseModel, base_fingerprint, base_state, check_resume
 from nemo_automodel.components.config.schema import DataConfig, PeftConfig, TokenizerConfig, to_finetune_config
 from nemo_automodel.components.datasets.loader import prepare_data
@@ -23,6 +22,7 @@ from nemo_automodel.components.datasets.tokenizer import build_tokenizer
 from nemo_automodel.components.distributed.parallel import resolve_topology
 from nemo_automodel.components.training.loss import token_ce_sum
 from nemo_automodel.recipes.finetune import train
+from nemo_automodel.recipes.lora import check_quantize
 from tests.families import FAMILIES
 from tests.recipe_helpers import TINY_DATA, read_metrics, save_chat_model, tiny_config
 

@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from nemo_automodel.components.adapters.recipe import LoraRun, check_quantize, start_lora
 from nemo_automodel.components.checkpoint.adapter import ADAPTER_DIR, BASE_MODEL_FILE, LOAD_OPTIONS, SAVE_OPTIONS
 from nemo_automodel.components.checkpoint.adapter import check_resume as check_adapter_resume
 from nemo_automodel.components.checkpoint.adapter import save_outputs as save_adapter_outputs
@@ -48,7 +47,6 @@ from nemo_automodel.components.checkpoint.resume import (
     compare_fingerprints,
     run_fingerprint,
 )
-from nemo_automodel.components.config.checks import check_attn_backend, check_paths, check_run_dir
 from nemo_automodel.components.config.errors import InputError, input_errors, report_input_error
 from nemo_automodel.components.config.schema import (
     FinetuneConfig,
@@ -72,7 +70,12 @@ from nemo_automodel.components.distributed.parallel import (
 from nemo_automodel.components.launcher.env import detect_launch, is_secondary_rank
 from nemo_automodel.components.launcher.local import free_port, launch_local_workers
 from nemo_automodel.components.launcher.run_lock import RunDirInUseError, hold_run_dir
-from nemo_automodel.components.models.causal_lm import build_causal_lm, model_shape, pretrained_dtype
+from nemo_automodel.components.models.causal_lm import (
+    build_causal_lm,
+    model_shape,
+    pretrained_dtype,
+    probe_packing_at_start,
+)
 from nemo_automodel.components.training.failure import propagate_failures
 from nemo_automodel.components.training.metrics import LOG_FILE, MetricsWriter, StepMetrics, configure_logging
 from nemo_automodel.components.training.optim import build_optimizer, build_scheduler
@@ -91,6 +94,8 @@ from nemo_automodel.components.training.step import (
     train_step,
     validate,
 )
+from nemo_automodel.recipes.checks import check_attn_backend, check_paths, check_run_dir
+from nemo_automodel.recipes.lora import LoraRun, check_quantize, start_lora
 
 logger = logging.getLogger("nemo_automodel.finetune")
 
@@ -205,11 +210,14 @@ def train(
     hf_config = model.config
     if topology.is_main:  # again, now with what trains: the loaded model's shape, the tokenizer actually used
         _save_resolved_config(config, run_dir, hf_config, tokenizer)
+    model = model.to(device)
+    with input_errors():  # every rank of a CP group measures the same leak: all refuse together
+        probe_packing_at_start(model, config.model, meshes.cp, cp_options(config.cp, None), config.data.seq_len)
     lora: LoraRun | None = None
-    if config.peft.method == "lora":
+    if config.peft.method == "lora":  # after the probe: it checks the base model's own attention
         with input_errors():
             lora = start_lora(config, model, tokenizer, run_dir, topology.rank)
-    model = shard_model(model.to(device), meshes.dp_cp)
+    model = shard_model(model, meshes.dp_cp)
     optimizer = build_optimizer(model, config.optim)
     scheduler = build_scheduler(optimizer, config.optim, trainer.max_steps)
     _log_setup(config, topology, device, data, model, run_dir)
@@ -331,13 +339,13 @@ def train(
             outputs.checkpoint = save(trainer.max_steps)
             if preemption.agreed(group, device):  # a signal up to the end of the final save: export on requeue
                 return stop(trainer.max_steps, outputs.checkpoint, "the HF export" if trainer.export_hf else "nothing")
-        export = trainer.export_hf and not exported_at(run_dir, trainer.max_steps)
+        export_due = trainer.export_hf and not exported_at(run_dir, trainer.max_steps)
         merged = None
-        if lora is not None:  # adapter/ in PEFT format; the export writes the merged model
+        if lora is not None:  # adapter/ in PEFT format; with an export due, the merged weights for hf/
             outputs.adapter, merged = save_adapter_outputs(
-                model, lora.peft_model, hf_config, lora.base, run_dir / ADAPTER_DIR, topology.rank, export
+                model, lora.peft_model, hf_config, lora.base, run_dir / ADAPTER_DIR, topology.rank, export_due
             )
-        if export:
+        if export_due:
             outputs.export = _export(config, model, hf_config, tokenizer, run_dir / "hf", topology, merged)
             if topology.is_main:
                 record_export(run_dir, trainer.max_steps, outputs.export)
@@ -415,10 +423,10 @@ def _resume(
     path = newest_intact(ckpt_root, topology.rank) if trainer.resume == "auto" else None
     if path is None:
         return 0
-    with input_errors():
-        check_adapter_resume(path, lora.base if lora else None)
     recorded = read_trainer_state(path)
     check_resume_step(trainer.max_steps, path, recorded.step)
+    with input_errors():  # a checkpoint of the other kind (LoRA vs full), or of another LoRA base
+        check_adapter_resume(path, lora.base if lora else None)
     changes = compare_fingerprints(recorded.fingerprint, fingerprint, path, recorded.step)
     state = load_checkpoint(path, model, optimizer, topology.rank, options=LOAD_OPTIONS if lora else None)
     scheduler.load_state_dict(state.scheduler)

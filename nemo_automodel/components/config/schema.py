@@ -10,18 +10,15 @@ when :func:`to_finetune_config` turns the composed ``DictConfig`` into dataclass
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass, make_dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
-from nemo_automodel.components.distributed.blockdiag_cp.state import (
-    normalize_attn_backend,
-    normalize_consensus,
-    normalize_kv_exchange,
-    normalize_layout,
-)
+from nemo_automodel.components.distributed.blockdiag_cp.cost import Shape
+from nemo_automodel.components.distributed.blockdiag_cp.options import CPOptions, config_node_fields
 
 # How the model's attention reaches block-diagonal CP:
 # - ``hf_interface``: a function registered in transformers' ``AttentionInterface``
@@ -34,6 +31,8 @@ DATA_SOURCES = ("synthetic", "text", "chat", "instruction")
 # Older spellings of a data source, stored canonical.
 DATA_SOURCE_ALIASES = {"jsonl": "text"}
 LONG_DOCUMENT_MODES = ("split", "truncate")
+# How documents are packed into rows (datasets.packing implements each).
+PACKING_ALGORITHMS = ("first_fit_decreasing", "first_fit_shuffle")
 # A chat / instruction row longer than data.seq_len: keep its leading turns up to the last whole assistant
 # turn that fits (else drop it), drop it, or stop with an error naming it.
 LONG_CONVERSATION_MODES = ("leading_turns", "drop", "error")
@@ -159,8 +158,6 @@ class DataConfig:
     seed: int = 1234
 
     def __post_init__(self) -> None:
-        from nemo_automodel.components.datasets.packing import PACKING_ALGORITHMS
-
         self.source = DATA_SOURCE_ALIASES.get(self.source, self.source)
         _require_choice("data.source", self.source, DATA_SOURCES)
         _require_choice("data.packing_algorithm", self.packing_algorithm, PACKING_ALGORITHMS)
@@ -275,37 +272,34 @@ class TrainerConfig:
         _require_choice("trainer.export_dtype", self.export_dtype, EXPORT_DTYPES)
 
 
-@dataclass
-class CPConfig:
-    """Block-diagonal context parallelism (``+cp=blockdiag`` selects ``conf/cp/blockdiag.yaml``).
+def _cp_post_init(self: Any) -> None:
+    """Validate the ``cp`` node through :class:`CPOptions` and store every value canonical."""
+    _require_positive("cp.size", self.size)
+    try:
+        options = self.options()
+    except ValueError as exc:
+        raise ValueError(f"cp: {exc}") from None
+    for name, _, _ in config_node_fields():
+        setattr(self, name, getattr(options, name))
 
-    Attributes:
-        size: CP ranks per packed row (``1``: no CP; attention still block-diagonal).
-        attn_backend: Kernel, any spelling :func:`normalize_attn_backend` accepts (stored canonical).
-        kv_exchange: K/V exchange, any spelling :func:`normalize_kv_exchange` accepts (stored canonical).
-        layout: How tokens are placed on ranks, any spelling :func:`normalize_layout` accepts.
-        overlap: Attend local-key documents while the K/V exchange is in flight.
-        consensus: When kernel failures are agreed on: ``step`` (once per step, in the step's
-            all-reduce: no collective or host sync per layer) or ``call`` (after every CP attention
-            call and direction: names the failing call at once; for debugging).
-    """
 
-    size: int = 1
-    attn_backend: str = "auto"
-    kv_exchange: str = "auto"
-    layout: str = "auto"
-    overlap: bool = True
-    consensus: str = "step"
+def _cp_options(self: Any, attn_shape: Shape | None = None) -> CPOptions:
+    """The node as the core's frozen :class:`CPOptions` (``attn_shape``: the model's, for ``layout=auto``)."""
+    return CPOptions(**{name: getattr(self, name) for name, _, _ in config_node_fields()}, attn_shape=attn_shape)
 
-    def __post_init__(self) -> None:
-        _require_positive("cp.size", self.size)
-        try:
-            self.attn_backend = normalize_attn_backend(self.attn_backend)
-            self.kv_exchange = normalize_kv_exchange(self.kv_exchange)
-            self.layout = normalize_layout(self.layout)
-            self.consensus = normalize_consensus(self.consensus)
-        except ValueError as exc:
-            raise ValueError(f"cp: {exc}") from None
+
+# The Hydra ``cp`` node (``+cp=blockdiag`` selects ``conf/cp/blockdiag.yaml``): ``size`` (CP ranks per packed
+# row; 1: no CP, attention still block-diagonal) plus every config field of CPOptions, the one definition of
+# the CP settings, their types and defaults (generated: OmegaConf cannot read CPOptions' Literal types).
+CPConfig = make_dataclass(
+    "CPConfig",
+    [("size", int, field(default=1)), *config_node_fields()],
+    namespace={
+        "__post_init__": _cp_post_init,
+        "options": _cp_options,
+        "__doc__": "Block-diagonal CP: ``size`` plus the fields of :class:`CPOptions` (documented there).",
+    },
+)
 
 
 @dataclass
@@ -425,6 +419,11 @@ class FinetuneConfig:
 
 # Files shipped with the package (the chat demo's corpus and tokenizer): `${nemo_asset:chat_demo/chats.jsonl}`.
 ASSETS_ROOT = Path(__file__).resolve().parents[2] / "assets"
+
+
+def bf16_autocast(bf16: bool, device: torch.device) -> bool:
+    """Whether ``trainer.bf16`` turns autocast on for ``device`` (CUDA only; CPU trains in fp32)."""
+    return bf16 and device.type == "cuda"
 
 
 def register_schema() -> None:
