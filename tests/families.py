@@ -154,21 +154,6 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-def build_model(name: str, attn_implementation: str, seed: int = 0) -> torch.nn.Module:
-    """The family's tiny causal LM in float64, eval mode, seeded weights (same seed -> same weights)."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    config = FAMILIES[name].make_config()
-    # eager experts: the grouped-mm MoE kernels have no float64
-    model = AutoModelForCausalLM.from_config(
-        config, dtype=torch.float64, attn_implementation=attn_implementation, experts_implementation="eager"
-    )
-    model.config.architectures = [type(model).__name__]  # as save_pretrained records it: named in CP errors
-    _perturb_sinks(model)
-    return model.eval()
-
-
 def _perturb_sinks(model: torch.nn.Module) -> None:
     """gpt-oss initializes sinks to a constant; make them differ per head so a wrong head mapping shows."""
     gen = torch.Generator().manual_seed(1)
@@ -176,6 +161,264 @@ def _perturb_sinks(model: torch.nn.Module) -> None:
         if name.endswith(".sinks"):
             with torch.no_grad():
                 param.copy_(torch.randn(param.shape, generator=gen, dtype=param.dtype))
+
+
+def _config(name: str, **kwargs: Any) -> Any:
+    """``transformers.<name>Config`` with the common tiny shape, overridden by ``kwargs``."""
+    import transformers
+
+    return getattr(transformers, f"{name}Config")(**{**_COMMON, **kwargs})
+
+
+# Mamba-style mixers: 4 heads of 8 (or 16), state 4, conv 4, scan chunks of 8 (all cross the 44-token row's documents).
+_MAMBA2 = {"mamba_n_heads": 4, "mamba_d_head": 16, "mamba_n_groups": 1, "mamba_d_state": 4, "mamba_chunk_size": 8}
+_MAMBA2 |= {"mamba_d_conv": 4, "mamba_expand": 2}
+_MOE = {"num_experts_per_tok": 1, "moe_intermediate_size": 16}
+# Llama 4 text with chunks and a NoPE temperature that bite on the 44-token row (chunk 4, floor_scale 4)...
+_LLAMA4 = {"head_dim": 8, "num_local_experts": 1, "num_experts_per_tok": 1, "intermediate_size_mlp": 64}
+_LLAMA4 |= {
+    "no_rope_layers": [1, 0],
+    "interleave_moe_layer_step": 2,
+    "attn_temperature_tuning": True,
+    "attn_scale": 0.5,
+}
+
+
+@dataclass(frozen=True)
+class TableEntry:
+    """One transformers causal-LM class of the model table: exact under packing + CP, or refused by name.
+
+    Attributes:
+        name: Short name used in test ids.
+        make_config: Builds the tiny config.
+        refused: The blocker kinds the load-time check must name (empty: the class is exact).
+        reason: Why, as the docs table says it.
+    """
+
+    name: str
+    make_config: Callable[[], Any]
+    refused: tuple[str, ...]
+    reason: str
+
+
+TABLE: dict[str, TableEntry] = {
+    e.name: e
+    for e in (
+        # top-2 of 3 experts: with top-1 the renormalized routing weight is 1 and the router gets no gradient
+        TableEntry("mixtral", lambda: _config("Mixtral", num_local_experts=3, num_experts_per_tok=2), (), "MoE"),
+        TableEntry("starcoder2", lambda: _config("Starcoder2", sliding_window=4), (), "sliding window, biases"),
+        TableEntry(
+            "cohere2",
+            lambda: _config(
+                "Cohere2", head_dim=8, sliding_window=4, layer_types=["sliding_attention", "full_attention"]
+            ),
+            (),
+            "sliding/full layers, parallel block",
+        ),
+        TableEntry(
+            "olmo3",
+            lambda: _config("Olmo3", sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+            (),
+            "sliding/full layers, q/k norm",
+        ),
+        TableEntry("qwen3_moe", lambda: _config("Qwen3Moe", head_dim=8, num_experts=2, **_MOE), (), "MoE, q/k norm"),
+        TableEntry(
+            "granite",
+            lambda: _config("Granite", attention_multiplier=0.2, embedding_multiplier=2.0, logits_scaling=2.0),
+            (),
+            "attention multiplier (scaling)",
+        ),
+        TableEntry("glm4", lambda: _config("Glm4", head_dim=8, pad_token_id=0), (), "partial rotary, extra norms"),
+        TableEntry("gpt_neox", lambda: _config("GPTNeoX", rotary_pct=0.5), (), "fused QKV, partial rotary"),
+        TableEntry("phi", lambda: _config("Phi", partial_rotary_factor=0.5), (), "partial rotary, parallel block"),
+        TableEntry("smollm3", lambda: _config("SmolLM3", no_rope_layers=[1, 0], pad_token_id=0), (), "NoPE layers"),
+        TableEntry("olmo2", lambda: _config("Olmo2"), (), "q/k norm"),
+        TableEntry("stablelm", lambda: _config("StableLm", partial_rotary_factor=0.5), (), "partial rotary"),
+        TableEntry(
+            "llama4_text",
+            lambda: _config("Llama4Text", **_LLAMA4, attention_chunk_size=4, floor_scale=4),
+            ("chunked attention", "row-position scaling"),
+            "chunks and the NoPE temperature bite on rows longer than attention_chunk_size / floor_scale",
+        ),
+        TableEntry(
+            "llama4_text_short_rows",
+            lambda: _config("Llama4Text", **_LLAMA4, attention_chunk_size=64, floor_scale=64),
+            (),
+            "chunked/full layers, NoPE temperature: exact on rows <= attention_chunk_size and < floor_scale",
+        ),
+        TableEntry(
+            "jamba",
+            lambda: _config(
+                "Jamba",
+                attn_layer_period=2,
+                attn_layer_offset=1,
+                expert_layer_period=2,
+                expert_layer_offset=1,
+                num_experts=2,
+                num_experts_per_tok=1,
+                mamba_d_state=4,
+                mamba_d_conv=4,
+                mamba_expand=2,
+                mamba_dt_rank=4,
+            ),
+            ("state-space", "convolution"),
+            "Mamba layers",
+        ),
+        TableEntry(
+            "bamba", lambda: _config("Bamba", attn_layer_indices=[1], **_MAMBA2), ("state-space",), "Mamba2 layers"
+        ),
+        TableEntry(
+            "zamba2",
+            lambda: _config(
+                "Zamba2",
+                layers_block_type=["mamba", "hybrid"],
+                mamba_d_state=4,
+                mamba_headdim=8,
+                n_mamba_heads=8,
+                mamba_ngroups=1,
+                attention_head_dim=8,
+                num_mem_blocks=1,
+                chunk_size=8,
+            ),
+            ("state-space",),
+            "Mamba2 layers (shared attention blocks)",
+        ),
+        TableEntry(
+            "falcon_h1",
+            lambda: _config(
+                "FalconH1",
+                head_dim=8,
+                mamba_d_ssm=32,
+                mamba_n_heads=4,
+                mamba_d_head=8,
+                mamba_n_groups=1,
+                mamba_d_state=4,
+                mamba_chunk_size=8,
+                mamba_d_conv=4,
+            ),
+            ("state-space",),
+            "Mamba2 mixer in parallel with attention in every layer",
+        ),
+        TableEntry(
+            "lfm2",
+            lambda: _config("Lfm2", layer_types=["conv", "full_attention"], conv_L_cache=3, block_ff_dim=64),
+            ("convolution",),
+            "short convolutions along the sequence",
+        ),
+        TableEntry(
+            "qwen3_next",
+            lambda: _config(
+                "Qwen3Next",
+                layer_types=["linear_attention", "full_attention"],
+                head_dim=8,
+                linear_num_value_heads=2,
+                linear_num_key_heads=2,
+                linear_key_head_dim=8,
+                linear_value_head_dim=8,
+                linear_conv_kernel_dim=3,
+                num_experts=2,
+                shared_expert_intermediate_size=16,
+                **_MOE,
+            ),
+            ("state-space",),
+            "gated DeltaNet (linear attention) layers",
+        ),
+        TableEntry(
+            "minimax",
+            lambda: _config(
+                "MiniMax",
+                layer_types=["linear_attention", "full_attention"],
+                head_dim=8,
+                num_local_experts=2,
+                num_experts_per_tok=1,
+                block_size=4,
+            ),
+            ("bypasses attention interface",),
+            "lightning (linear) attention layers",
+        ),
+        TableEntry(
+            "granitemoehybrid",
+            lambda: _config(
+                "GraniteMoeHybrid",
+                layer_types=["mamba", "attention"],
+                num_local_experts=2,
+                num_experts_per_tok=1,
+                **_MAMBA2,
+            ),
+            ("state-space",),
+            "Mamba2 layers",
+        ),
+        TableEntry(
+            "recurrent_gemma",
+            lambda: _recurrent_gemma(),
+            ("convolution",),
+            "RG-LRU recurrence and its convolution",
+        ),
+        TableEntry(
+            "bloom",
+            lambda: _bloom(),
+            ("alibi",),
+            "ALiBi in its own attention code (never calls the attention interface)",
+        ),
+        TableEntry("mpt", lambda: _mpt(), ("alibi",), "ALiBi in its own attention code"),
+        TableEntry("falcon_alibi", lambda: _falcon(alibi=True), ("alibi",), "ALiBi in its own attention code"),
+        TableEntry("falcon", lambda: _falcon(alibi=False), ("bypasses attention interface",), "its own attention code"),
+    )
+}
+
+
+def _recurrent_gemma() -> Any:
+    from transformers import RecurrentGemmaConfig
+
+    shape = {k: v for k, v in _COMMON.items() if k not in ("max_position_embeddings", "tie_word_embeddings")}
+    return RecurrentGemmaConfig(
+        **shape,
+        lru_width=32,
+        attention_window_size=8,
+        block_types=["recurrent", "attention"],
+        conv1d_width=3,
+        head_dim=8,
+    )
+
+
+def _bloom() -> Any:
+    from transformers import BloomConfig
+
+    return BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4, use_cache=False)
+
+
+def _mpt() -> Any:
+    from transformers import MptConfig
+
+    return MptConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, max_seq_len=128, use_cache=False)
+
+
+def _falcon(alibi: bool) -> Any:
+    from transformers import FalconConfig
+
+    return FalconConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, alibi=alibi, use_cache=False
+    )
+
+
+def make_config(name: str) -> Any:
+    """The tiny config of a family (:data:`FAMILIES`) or a model-table class (:data:`TABLE`)."""
+    return FAMILIES[name].make_config() if name in FAMILIES else TABLE[name].make_config()
+
+
+def build_model(name: str, attn_implementation: str, seed: int = 0) -> torch.nn.Module:
+    """The family's tiny causal LM in float64, eval mode, seeded weights (same seed -> same weights)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = make_config(name)
+    # eager experts: the grouped-mm MoE kernels have no float64
+    model = AutoModelForCausalLM.from_config(
+        config, dtype=torch.float64, attn_implementation=attn_implementation, experts_implementation="eager"
+    )
+    model.config.architectures = [type(model).__name__]  # as save_pretrained records it: named in CP errors
+    _perturb_sinks(model)
+    return model.eval()
 
 
 # A packed row of five documents (44 tokens): at cp=2 and cp=3 documents straddle ranks, and the

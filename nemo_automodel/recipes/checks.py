@@ -34,6 +34,25 @@ def check_paths(cfg: FinetuneConfig) -> None:
                 f"{field}={path}: no such directory; pass a local HF directory (save_pretrained output) - "
                 "models are never downloaded"
             )
+    if cfg.model.pretrained_path is not None:
+        check_positions(cfg.model.pretrained_path, cfg.data.seq_len)
+
+
+def check_positions(pretrained_path: str, seq_len: int) -> None:
+    """``data.seq_len`` must fit the pretrained model's position table (a document may fill a whole row).
+
+    Raises:
+        ValueError: naming both values and the fix.
+    """
+    from transformers import AutoConfig
+
+    limit = getattr(AutoConfig.from_pretrained(pretrained_path, local_files_only=True), "max_position_embeddings", None)
+    if limit is not None and seq_len > limit:
+        raise ValueError(
+            f"data.seq_len={seq_len} exceeds the max_position_embeddings={limit} of model.pretrained_path="
+            f"{pretrained_path}: a document filling a row would use positions the model never learned; lower "
+            f"data.seq_len to {limit} or less"
+        )
 
 
 def used_run_dir(run_dir: Path) -> bool:

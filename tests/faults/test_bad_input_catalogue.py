@@ -23,6 +23,10 @@ import torch
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 
+from nemo_automodel.components.adapters.lora import setup_lora
+from nemo_automodel.components.checkpoint.adapter import BASE_MODEL_FILE, BaseModel, check_resume
+from nemo_automodel.components.checkpoint.resume import check_resume_step, compare_fingerprints
+from nemo_automodel.components.config.overrides import check_override_keys
 from nemo_automodel.components.config.schema import DataConfig, ModelConfig, register_schema, to_finetune_config
 from nemo_automodel.components.datasets.loader import prepare_data
 from nemo_automodel.components.datasets.packing import pack_documents
@@ -41,13 +45,15 @@ from nemo_automodel.components.distributed.blockdiag_cp import (
     plan,
 )
 from nemo_automodel.components.distributed.blockdiag_cp.layout import doc_runs_from_lengths, make_shard_plan
-from nemo_automodel.components.distributed.parallel import check_shared_run_dir, resolve_topology
+from nemo_automodel.components.distributed.parallel import check_shared_run_dir, omp_num_threads, resolve_topology
 from nemo_automodel.components.launcher.env import first_slurm_host
+from nemo_automodel.components.launcher.run_lock import hold_run_dir
 from nemo_automodel.components.models.attention_features import attention_features
 from nemo_automodel.components.models.causal_lm import build_causal_lm
 from nemo_automodel.components.training.step import _check_cp_reached_attention
 from nemo_automodel.recipes import plan as recipe_plan
-from nemo_automodel.recipes.checks import check_attn_backend, check_paths, check_run_dir
+from nemo_automodel.recipes.checks import check_attn_backend, check_paths, check_positions, check_run_dir
+from nemo_automodel.recipes.lora import check_quantize
 from tests.cases import cp_mesh
 from tests.recipe_helpers import CHAT_TEMPLATE, REPO, save_chat_tokenizer
 from tests.reference import doc_ids_from_lengths
@@ -341,6 +347,19 @@ def _files(*names: str, first: bool = False, **fields: Any) -> None:
         check_paths(to_finetune_config({"data": {"source": "text", "path": path, **fields}}))
 
 
+def _short_position_table() -> None:
+    from transformers import LlamaConfig
+
+    with tempfile.TemporaryDirectory() as tmp:
+        LlamaConfig(max_position_embeddings=64).save_pretrained(tmp)
+        check_positions(tmp, 128)
+
+
+def _locked_run_dir() -> None:
+    with tempfile.TemporaryDirectory() as tmp, hold_run_dir(Path(tmp)):
+        hold_run_dir(Path(tmp)).__enter__()
+
+
 def _used_run_dir() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "metrics.jsonl").write_text("{}\n")
@@ -381,6 +400,26 @@ def _patch_sdpa_window() -> None:
         )
 
 
+def _saved_lfm2() -> None:
+    """A saved LFM2 (short convolutions along the sequence) loaded by the recipe's model builder."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.families import make_config
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config = make_config("lfm2")
+        config.vocab_size = 256
+        AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
+        build_causal_lm(ModelConfig(pretrained_path=tmp), 256, seed=0, activation_checkpointing=False, seq_len=64)
+
+
+def _packable(name: str, seq_len: int | None = None) -> None:
+    from nemo_automodel.components.models.packing_guard import check_packable_config
+    from tests.families import make_config
+
+    check_packable_config(make_config(name), seq_len=seq_len)
+
+
 def _patch_sdpa_config(config: Any) -> None:
     from nemo_automodel.components.models.attention_features import check_attention_route
 
@@ -415,8 +454,8 @@ def _attention_call(**kwargs: Any) -> Any:
     return cp_blockdiag_attention(_MistralLayer(), q, q, q, None, **kwargs)
 
 
-def _attention_never_reached() -> None:
-    setup = SimpleNamespace(meshes=SimpleNamespace(cp=SimpleNamespace(size=lambda: 2)), attention="patch_sdpa")
+def _attention_never_reached(cp: int = 2, route: str = "patch_sdpa") -> None:
+    setup = SimpleNamespace(meshes=SimpleNamespace(cp=SimpleNamespace(size=lambda: cp)), attention=route)
     ctx, _, _ = make_cp_blockdiag_batch_and_ctx(None, None, _row())
     with ctx() as state:  # a forward ran, but the model's attention never called CP attention
         _check_cp_reached_attention(setup, state)
@@ -438,6 +477,7 @@ POSITIVE_FIELDS = (
     "dist.dp_size",
     "dist.pg_timeout_s",
     "dist.shutdown_timeout_s",
+    "dist.threads",
 )
 NON_NEGATIVE_FIELDS = ("optim.warmup_steps", "optim.grad_clip", "trainer.ckpt_every", "trainer.val_every")
 
@@ -449,7 +489,9 @@ def _run_dir_not_shared() -> None:
 
 
 RECIPE: dict[str, Callable[[], Any]] = {
-    "config-unknown-key": lambda: _compose("trainer.max_stepz=3"),
+    "config-unknown-key": lambda: check_override_keys(["+cp=blockdiag", "trainer.max_stepz=3"]),
+    "config-unknown-section": lambda: check_override_keys(["traner.max_steps=3"]),
+    "config-compose-unknown-key": lambda: _compose("trainer.max_stepz=3"),
     "config-wrong-type": lambda: _compose("trainer.max_steps=many"),
     "config-payload-unknown-key": lambda: to_finetune_config({"data": {"seq_length": 128}}),
     "config-cp-kv-exchange": _values("+cp=blockdiag", "cp.kv_exchange=ring"),
@@ -521,8 +563,22 @@ RECIPE: dict[str, Callable[[], Any]] = {
     "launch-dp-size": lambda: resolve_topology(world=2, rank=0, local_rank=0, cp_size=2, dp_size=2),
     "launch-run-dir-not-shared": _run_dir_not_shared,
     "launch-slurm-nodelist": lambda: first_slurm_host("[bad"),
+    "launch-run-dir-locked": _locked_run_dir,
+    "model-seq-len-positions": _short_position_table,
+    "resume-max-steps-below": lambda: check_resume_step(3, Path("/run/checkpoints/step_00000010"), 10),
+    "resume-changed-data": lambda: compare_fingerprints(
+        {"data.seq_len": 256, "optim.lr": 0.1}, {"data.seq_len": 128, "optim.lr": 0.2}, Path("/run/step_3"), 3
+    ),
+    "launch-omp-num-threads": lambda: omp_num_threads("four"),
     "model-vocabulary": _small_vocabulary_model,
     "model-attention-never-cp": _attention_never_reached,
+    "model-attention-never-cp1": lambda: _attention_never_reached(cp=1, route="hf_interface"),
+    "model-packing-conv": _saved_lfm2,
+    "model-packing-state-space": lambda: _packable("qwen3_next"),
+    "model-packing-alibi": lambda: _packable("bloom"),
+    "model-packing-bypass": lambda: _packable("falcon"),
+    "model-packing-chunked": lambda: _packable("llama4_text", seq_len=5),
+    "model-packing-temperature": lambda: _packable("llama4_text", seq_len=4),
     "model-patch-sdpa-window": _patch_sdpa_window,
     "model-patch-sdpa-softcap": lambda: _patch_sdpa_config(_gemma2_config()),
     "model-patch-sdpa-sinks": lambda: _patch_sdpa_config(_gpt_oss_config()),
@@ -533,7 +589,46 @@ RECIPE: dict[str, Callable[[], Any]] = {
     "attention-bad-window": lambda: _attention_call(sliding_window=0),
 }
 
-TRIGGERS: dict[str, Callable[[], Any]] = {**BATCH, **QKV, **KERNEL, **CORE, **RECIPE}
+_TINY_LLAMA = ("model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1")
+
+
+def _lora(*overrides: str) -> Any:
+    """``peft=lora`` on a tiny built Llama: the recipe's adapter set-up (no process group)."""
+    config = _config("peft=lora", *_TINY_LLAMA, *overrides)
+    model = build_causal_lm(config.model, 256, seed=0, activation_checkpointing=False)
+    return setup_lora(model, config.peft, "base")
+
+
+def _saved_adapter_mismatch() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        _lora("peft.r=4").save_pretrained(tmp)
+        _lora("peft.r=8", f"peft.adapter_path={tmp}")
+
+
+def _resume(saved: BaseModel | None, ours: BaseModel | None) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        if saved is not None:
+            (Path(tmp) / BASE_MODEL_FILE).write_text(json.dumps(saved.record()))
+        check_resume(Path(tmp), ours)
+
+
+_BASE_A, _BASE_B = BaseModel("/models/a", "a" * 64), BaseModel("/models/b", "b" * 64)
+LORA: dict[str, Callable[[], Any]] = {
+    "lora-target-unknown": lambda: _lora("peft.target_modules=[qproj]"),
+    "lora-target-not-linear": lambda: _lora("peft.target_modules=[mlp]"),
+    "lora-target-empty": _values("peft=lora", "peft.target_modules=[]"),
+    "lora-dropout": _values("peft=lora", "peft.dropout=1.0"),
+    "lora-without-peft": _values("peft.adapter_path=/adapters/a"),
+    "lora-quantize-value": _values("peft=lora", "peft.quantize=8bit"),
+    "lora-quantize-cpu": lambda: check_quantize(_config("peft=lora", "peft.quantize=4bit").peft, torch.device("cpu")),
+    "lora-adapter-path-empty": lambda: _lora(f"peft.adapter_path={tempfile.gettempdir()}"),
+    "lora-adapter-mismatch": _saved_adapter_mismatch,
+    "lora-resume-full-checkpoint": lambda: _resume(None, _BASE_A),
+    "lora-resume-without-peft": lambda: _resume(_BASE_A, None),
+    "lora-resume-other-base": lambda: _resume(_BASE_A, _BASE_B),
+}
+
+TRIGGERS: dict[str, Callable[[], Any]] = {**BATCH, **QKV, **KERNEL, **CORE, **RECIPE, **LORA}
 
 
 def _outcome(trigger_id: str) -> tuple[str | None, str]:

@@ -11,11 +11,16 @@ tokenizer, and the tokenizer itself when it is a HF one.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig
+
+# In the run dir: the step the HF export holds, written after it is complete (a rerun of a complete run
+# exports only when this does not name its step).
+EXPORT_RECORD = "export.json"
 
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -61,14 +66,23 @@ def export_config(
 
 
 def export_hf(
-    model: torch.nn.Module, config: PretrainedConfig, out_dir: Path, rank: int, dtype: torch.dtype = torch.float32
+    model: torch.nn.Module,
+    config: PretrainedConfig,
+    out_dir: Path,
+    rank: int,
+    dtype: torch.dtype = torch.float32,
+    weights: dict[str, torch.Tensor] | None = None,
 ) -> Path | None:
     """Collective: gather full weights to rank 0's CPU; rank 0 writes ``out_dir`` (``dtype``) and returns it.
 
     Args:
         config: The export config (:func:`export_config`).
+        weights: The full weights to write instead of gathering ``model``'s (LoRA: the merged model on
+            rank 0, ``{}`` elsewhere); given on every rank or on none.
     """
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = weights
+    if full is None:
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank != 0:
         return None
     try:
@@ -80,3 +94,17 @@ def export_hf(
     export.generation_config.use_cache = True
     export.save_pretrained(out_dir)
     return out_dir
+
+
+def record_export(run_dir: Path, step: int, path: Path) -> None:
+    """Rank 0, after the export is written: ``run_dir/export.json`` names its step and directory."""
+    (run_dir / EXPORT_RECORD).write_text(json.dumps({"step": step, "path": str(path)}) + "\n")
+
+
+def exported_at(run_dir: Path, step: int) -> bool:
+    """Whether a complete export of ``step`` exists (``export.json`` names it and its directory is there)."""
+    record = run_dir / EXPORT_RECORD
+    if not record.is_file():
+        return False
+    done = json.loads(record.read_text())
+    return done["step"] == step and Path(done["path"]).is_dir()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field, fields, is_dataclass, make_dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,6 +43,10 @@ EXPORT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 RESUME_MODES = ("auto", "never")
 # What a step with NaN/Inf in attention inputs, loss or gradient norm does (every rank agrees).
 NONFINITE_POLICIES = ("stop", "skip")
+# Parameter-efficient fine-tuning: none (full fine-tuning) or LoRA adapters (Hugging Face peft).
+PEFT_METHODS = ("none", "lora")
+# Base weights of a LoRA run: as trained (none) or 4-bit (QLoRA: CUDA and bitsandbytes only).
+QUANTIZE_MODES = ("none", "4bit")
 
 
 def _require_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -67,6 +72,9 @@ class ModelConfig:
         hidden_size / num_layers / num_heads / num_kv_heads / intermediate_size / rope_theta:
             Size of the built Llama (ignored with ``pretrained_path``).
         max_position_embeddings: RoPE table size of the built Llama (positions restart per document).
+        verify_packing: Refuse, at load, a model that packed training cannot compute exactly (token mixing
+            outside attention, ALiBi, attention that bypasses the interface), and run the packing-isolation
+            probe before step 1. ``false`` skips both, with a loud warning.
     """
 
     pretrained_path: str | None = None
@@ -78,6 +86,7 @@ class ModelConfig:
     intermediate_size: int = 768
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
+    verify_packing: bool = True
 
     def __post_init__(self) -> None:
         _require_choice("model.attention", self.attention, ATTENTION_ROUTES)
@@ -303,23 +312,72 @@ class DistConfig:
         master_port: Rendezvous port for local and Slurm launches (``None``: a free port / 29500).
         shutdown_timeout_s: After SIGTERM/SIGUSR1, how long the local launcher waits for workers to
             finish their step and checkpoint before killing them.
+        threads: Intra-op CPU threads per worker (``torch.set_num_threads``). ``None``: ``OMP_NUM_THREADS``
+            when set, else on CPU each worker's share of the cores (``cpu_count // local workers``), on CUDA
+            torch's default. The choice and its reason are logged.
     """
 
     dp_size: int | None = None
     pg_timeout_s: float = 300.0
     master_port: int | None = None
     shutdown_timeout_s: int = 300
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.dp_size is not None:
             _require_positive("dist.dp_size", self.dp_size)
         _require_positive("dist.pg_timeout_s", self.pg_timeout_s)
         _require_positive("dist.shutdown_timeout_s", self.shutdown_timeout_s)
+        if self.threads is not None:
+            _require_positive("dist.threads", self.threads)
+
+
+@dataclass
+class PeftConfig:
+    """Parameter-efficient fine-tuning (``peft=lora`` selects ``conf/peft/lora.yaml``); see docs/lora.md.
+
+    Attributes:
+        method: ``none`` (full fine-tuning) or ``lora`` (frozen base, trained LoRA adapters).
+        r: Adapter rank.
+        alpha: LoRA scaling numerator: updates are scaled by ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA).
+        dropout: Dropout on the adapters' input (each CP rank draws masks for its own tokens, so
+            ``dropout > 0`` does not reproduce ``cp = 1`` bitwise; ``0`` does).
+        target_modules: Leaf names of the linear layers to adapt (e.g. ``[q_proj, v_proj]``); ``None``: every
+            linear projection of attention and MLP in the decoder layers, resolved per model and logged.
+        use_dora: Weight-decomposed LoRA (DoRA).
+        use_rslora: Rank-stabilized scaling ``alpha / sqrt(r)``.
+        adapter_path: A saved PEFT adapter directory to continue training (its r, alpha and targets must
+            match this config).
+        quantize: ``none`` or ``4bit`` (QLoRA: the frozen base in 4 bits; needs CUDA and bitsandbytes).
+    """
+
+    method: str = "none"
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: list[str] | None = None
+    use_dora: bool = False
+    use_rslora: bool = False
+    adapter_path: str | None = None
+    quantize: str = "none"
+
+    def __post_init__(self) -> None:
+        _require_choice("peft.method", self.method, PEFT_METHODS)
+        _require_choice("peft.quantize", self.quantize, QUANTIZE_MODES)
+        _require_positive("peft.r", self.r)
+        _require_positive("peft.alpha", self.alpha)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"peft.dropout={self.dropout} must be in [0, 1)")
+        if self.target_modules is not None and not self.target_modules:
+            raise ValueError("peft.target_modules=[] adapts nothing; list module names or use null for the default")
+        if self.method == "none" and (self.adapter_path is not None or self.quantize != "none"):
+            name = "peft.adapter_path" if self.adapter_path is not None else "peft.quantize"
+            raise ValueError(f"{name} needs LoRA: add peft=lora to the command line")
 
 
 @dataclass
 class FinetuneConfig:
-    """The whole recipe (``conf/finetune.yaml`` picks the groups; ``cp`` is added with ``+cp=blockdiag``)."""
+    """The whole recipe (``conf/finetune.yaml`` picks the groups; ``+cp=blockdiag`` adds ``cp``, ``peft=lora`` LoRA)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
@@ -328,6 +386,7 @@ class FinetuneConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     cp: CPConfig = field(default_factory=CPConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
 
     def __post_init__(self) -> None:
         if self.model.pretrained_path is None and self.data.seq_len > self.model.max_position_embeddings:
@@ -358,16 +417,26 @@ class FinetuneConfig:
             )
 
 
+# Files shipped with the package (the chat demo's corpus and tokenizer): `${nemo_asset:chat_demo/chats.jsonl}`.
+ASSETS_ROOT = Path(__file__).resolve().parents[2] / "assets"
+
+
 def bf16_autocast(bf16: bool, device: torch.device) -> bool:
     """Whether ``trainer.bf16`` turns autocast on for ``device`` (CUDA only; CPU trains in fp32)."""
     return bf16 and device.type == "cuda"
 
 
 def register_schema() -> None:
-    """Store :class:`FinetuneConfig` as ``finetune_schema`` (the first entry of ``conf/finetune.yaml``'s defaults)."""
+    """Store :class:`FinetuneConfig` as ``finetune_schema`` (the first entry of ``conf/finetune.yaml``'s defaults).
+
+    Also registers the ``nemo_asset`` resolver: ``${nemo_asset:<name>}`` is the absolute path of a file the
+    package ships (``nemo_automodel/assets/<name>``), whatever the working directory.
+    """
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="finetune_schema", node=FinetuneConfig)
+    if not OmegaConf.has_resolver("nemo_asset"):
+        OmegaConf.register_new_resolver("nemo_asset", lambda name: str(ASSETS_ROOT / name))
 
 
 def to_finetune_config(cfg: DictConfig | dict[str, Any]) -> FinetuneConfig:
@@ -379,11 +448,11 @@ def to_finetune_config(cfg: DictConfig | dict[str, Any]) -> FinetuneConfig:
     merged = OmegaConf.merge(OmegaConf.structured(FinetuneConfig), cfg)
     # A key added with Hydra's `+` (e.g. `+trainer.max_step=5`, Hydra's own hint for a typo) passes
     # composition and the merge above, since the section it lands in is typed; refuse it like a typo.
-    _reject_unknown_keys(OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else cfg)
+    reject_unknown_keys(OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else cfg)
     return OmegaConf.to_object(merged)
 
 
-def _reject_unknown_keys(values: Any, schema: type = FinetuneConfig, prefix: str = "") -> None:
+def reject_unknown_keys(values: Any, schema: type = FinetuneConfig, prefix: str = "") -> None:
     """Raise a ``ValueError`` naming the first key of ``values`` that ``schema`` (a dataclass) lacks."""
     if not isinstance(values, dict):
         return
@@ -395,7 +464,7 @@ def _reject_unknown_keys(values: Any, schema: type = FinetuneConfig, prefix: str
             where = f"of {prefix.rstrip('.')}" if prefix else "at the top level"
             raise ValueError(f"{prefix}{key}: unknown key{hint}; valid keys {where}: {', '.join(known)}")
         if not prefix and is_dataclass(_SECTIONS.get(key)):
-            _reject_unknown_keys(value, _SECTIONS[key], f"{key}.")
+            reject_unknown_keys(value, _SECTIONS[key], f"{key}.")
 
 
 _SECTIONS: dict[str, type] = {
@@ -406,6 +475,7 @@ _SECTIONS: dict[str, type] = {
     "trainer": TrainerConfig,
     "cp": CPConfig,
     "dist": DistConfig,
+    "peft": PeftConfig,
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,7 @@ from nemo_automodel.components.distributed.blockdiag_cp.state import StepState
 from nemo_automodel.components.distributed.parallel import Meshes
 from nemo_automodel.components.models.cp_attention import attention_scope
 from nemo_automodel.components.training.loss import token_ce_sum
+from nemo_automodel.components.training.preemption import any_rank
 
 logger = logging.getLogger("nemo_automodel.finetune")
 
@@ -124,13 +126,20 @@ def _autocast(setup: StepSetup) -> contextlib.AbstractContextManager[None]:
 
 
 def _check_cp_reached_attention(setup: StepSetup, state: StepState) -> None:
-    """After the first CP forward: fail on every rank if the model's attention never called CP attention."""
-    if setup.meshes.cp.size() > 1 and state.stats.calls == 0:
+    """After the first forward: fail on every rank if the model's attention never called CP attention.
+
+    At any cp (cp=1 included: a model whose attention bypasses the interface, such as Bloom's ALiBi code, lets
+    packed documents attend each other); ``model.attention=eager`` never calls it by design (cp=1 only).
+    """
+    if setup.attention != "eager" and state.stats.calls == 0:
+        cp = setup.meshes.cp.size()
+        shard = "each rank attended only to its own shard and " if cp > 1 else ""
         raise RuntimeError(
-            f"cp.size={setup.meshes.cp.size()} but the model's attention never reached block-diagonal CP "
-            f"(model.attention={setup.attention}): each rank attended only to its own shard. Use "
+            f"cp.size={cp} but the model's attention never reached block-diagonal CP "
+            f"(model.attention={setup.attention}): {shard}packed documents attended each other. Use "
             "model.attention=hf_interface for HF models (AttentionInterface), or model.attention=patch_sdpa for "
-            "models that call torch.nn.functional.scaled_dot_product_attention"
+            "models that call torch.nn.functional.scaled_dot_product_attention; a model with its own attention "
+            "code cannot be trained on packed rows"
         )
 
 
@@ -246,7 +255,7 @@ def train_step(
     setup: StepSetup,
     step: int,
     check_cp: bool = False,
-    preempt: bool = False,
+    preempt: Callable[[], bool] = lambda: False,
 ) -> StepResult:
     """Forward/backward every row (one micro-batch each), then one all-reduce, then clip and step.
 
@@ -263,7 +272,8 @@ def train_step(
         rows: This dp rank's packed rows, each ``{input_ids, labels, position_ids, _packed_seq_ids}`` ``[1, S]``.
         step: The 1-based step, for messages.
         check_cp: Verify after the first forward that attention went through CP (first step of a run).
-        preempt: This rank saw a preemption signal (agreed over all ranks in the step's all-reduce).
+        preempt: Whether this rank saw a preemption signal; read as the step's all-reduce starts (so a
+            signal during this step's compute stops the run after this step), agreed over all ranks there.
 
     Raises:
         NonFiniteStepError: on every rank, with ``on_nonfinite=stop`` and NaN/Inf anywhere.
@@ -291,7 +301,7 @@ def train_step(
         label_tokens += (local["labels"] != IGNORE_INDEX).sum()
     kv = states[-1].stats.kv_tokens_received if setup.meshes.cp.size() > 1 else 0
     sums = {"ce_sum": ce_sum, "tokens": tokens, "label_tokens": label_tokens, "kv_tokens_received": kv}
-    totals = _step_totals(setup, {**sums, "preempt": float(preempt)}, states, ce_sum)
+    totals = _step_totals(setup, {**sums, "preempt": float(preempt())}, states, ce_sum)
     _raise_on_kernel_failures(setup, totals, states)
     # clamp: a step whose rows hold only one-token documents has no label (its loss is 0, not NaN)
     total_labels = max(totals.sums["label_tokens"], 1.0)
@@ -324,25 +334,40 @@ def train_step(
 
 @dataclass(frozen=True)
 class ValidationResult:
-    """Global validation figures: mean CE over every label token, its exponential, and the token count."""
+    """Global validation figures: mean CE over every label token, its exponential, and the token count.
+
+    ``interrupted``: a preemption signal cut the pass short (the figures cover only the batches before it).
+    """
 
     loss: float
     ppl: float
     loss_tokens: int
+    interrupted: bool = False
 
 
-def validate(model: torch.nn.Module, rows: list[dict[str, torch.Tensor]], setup: StepSetup) -> ValidationResult:
+def validate(
+    model: torch.nn.Module,
+    rows: list[dict[str, torch.Tensor]],
+    setup: StepSetup,
+    stop: Callable[[], bool] | None = None,
+) -> ValidationResult:
     """Collective over ``dp x cp``: the validation loss of ``rows`` through the training's CP path, without grads.
 
     Args:
         rows: This dp rank's validation rows, each ``{input_ids, labels, position_ids, _packed_seq_ids}``
             ``[1, S]``; every dp rank passes the same number (FSDP gathers parameters in each forward).
+        stop: Whether this rank saw a preemption signal; agreed over every rank before each batch (one
+            one-element all-reduce and host sync per batch), so a signal ends the pass within one batch.
     """
     was_training = model.training
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=setup.device)  # [CE sum, label tokens]
+    interrupted = False
     with torch.no_grad():
         for row in rows:
+            if stop is not None and any_rank(stop(), setup.reduce_group, setup.device):
+                interrupted = True
+                break
             train_ctx, local = _shard(setup, row)
             with train_ctx(), attention_scope(setup.attention), _autocast(setup):
                 logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
@@ -351,4 +376,4 @@ def validate(model: torch.nn.Module, rows: list[dict[str, torch.Tensor]], setup:
     model.train(was_training)
     dist.all_reduce(totals, group=setup.reduce_group)
     loss = float(totals[0] / totals[1].clamp(min=1))
-    return ValidationResult(loss, math.exp(min(loss, 700.0)), int(totals[1]))
+    return ValidationResult(loss, math.exp(min(loss, 700.0)), int(totals[1]), interrupted)
