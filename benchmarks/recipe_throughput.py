@@ -38,7 +38,7 @@ import torch
 import torch.multiprocessing as mp
 
 from nemo_automodel.components.config.schema import FinetuneConfig, to_plain_dict
-from nemo_automodel.components.distributed.blockdiag_cp.syncs import count_syncs
+from nemo_automodel.testing.syncs import count_syncs
 from nemo_automodel.components.launcher.local import free_port
 
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from nemo_automodel.components.distributed.blockdiag_cp import compat, make_cp_blockdiag_batch_and_ctx
 from nemo_automodel.components.distributed.blockdiag_cp.state import BlockdiagCpModelState
-from nemo_automodel.components.distributed.blockdiag_cp.syncs import count_syncs
+from nemo_automodel.testing.syncs import count_syncs
 from tests.cases import cp_mesh, layout
 
 
