@@ -36,13 +36,15 @@ CP2_VARIANTS = {
     "balanced": {"size": 2, "kv_exchange": "a2a", "layout": "balanced"},
     "auto": {"size": 2, "kv_exchange": "auto", "layout": "auto"},
 }
+DORA = {"use_dora": True, "use_rslora": True}
 FAMILY_NAMES = ("gemma2", "gpt_oss", "deepseek_v3")  # soft-cap + window, sinks + MoE, MLA
 
 
 def _config(trainer: dict[str, Any] | None = None, **sections: dict[str, Any]) -> dict[str, Any]:
     run = {"max_steps": STEPS, "val_every": 4, "ckpt_every": 4, "log_every": 4, **(trainer or {})}
     data = {"validation": "0.1", **sections.pop("data", {})}
-    return tiny_config(peft=dict(LORA), optim=dict(OPTIM), trainer=run, data=data, **sections)
+    peft = {**LORA, **sections.pop("peft", {})}
+    return tiny_config(peft=peft, optim=dict(OPTIM), trainer=run, data=data, **sections)
 
 
 def train_runs(runs: list[tuple[dict[str, Any], str]]) -> list[dict[str, Any]] | None:
@@ -105,6 +107,7 @@ def runs(pools, tmp_path_factory) -> dict[str, tuple[Path, dict[str, Any]]]:
     one = {
         "cp1": _config(),
         "chat_cp1": chat_cfg({"size": 1}),
+        "dora_cp1": _config(peft=DORA, trainer={"export_hf": False}),
         **{f"{n}_cp1": _family_config(p, {"size": 1}) for n, p in families.items()},
     }
     two = {
@@ -116,6 +119,13 @@ def runs(pools, tmp_path_factory) -> dict[str, tuple[Path, dict[str, Any]]]:
         "resumed": _config(cp=CP2_VARIANTS["halo"], trainer={"max_steps": 4}),
         "resumed ": _config(cp=CP2_VARIANTS["halo"]),
         "chat_cp2": chat_cfg(CP2_VARIANTS["auto"]),
+        "dora_cp2": _config(peft=DORA, trainer={"export_hf": False}, cp=CP2_VARIANTS["auto"]),
+        # the cp=1 run's adapter, trained on
+        "continued": _config(
+            peft={"adapter_path": str(root / "cp1" / "adapter")},
+            trainer={"max_steps": 1, "val_every": 0, "export_hf": False},
+            cp=CP2_VARIANTS["halo"],
+        ),
         **{f"{n}_cp2": _family_config(p, CP2_VARIANTS["auto"]) for n, p in families.items()},
     }
     out: dict[str, tuple[Path, dict[str, Any]]] = {}
@@ -165,6 +175,18 @@ def test_cp2_and_dp2_equal_cp1_per_step(runs, name):
 def test_chat_answer_only_cp2_equals_cp1(runs):
     _assert_same_losses(runs["chat_cp2"][1], runs["chat_cp1"][1])
     assert "answers only" in (runs["chat_cp1"][0] / "finetune.log").read_text()
+
+
+def test_dora_with_rslora_cp2_equals_cp1(runs):
+    _assert_same_losses(runs["dora_cp2"][1], runs["dora_cp1"][1])
+    assert " DoRA rsLoRA on " in (runs["dora_cp1"][0] / "finetune.log").read_text()
+
+
+def test_training_continues_from_a_saved_adapter(runs):
+    """peft.adapter_path loads the cp=1 run's trained adapter: the first step starts from its lower loss."""
+    first = runs["continued"][1][1]["loss"]
+    assert first < runs["cp1"][1][1]["loss"] - 0.1
+    assert "adapter continued from" in (runs["continued"][0] / "finetune.log").read_text()
 
 
 @pytest.mark.parametrize("name", FAMILY_NAMES)

@@ -70,7 +70,12 @@ from nemo_automodel.components.distributed.parallel import (
 from nemo_automodel.components.launcher.env import detect_launch, is_secondary_rank
 from nemo_automodel.components.launcher.local import free_port, launch_local_workers
 from nemo_automodel.components.launcher.run_lock import RunDirInUseError, hold_run_dir
-from nemo_automodel.components.models.causal_lm import build_causal_lm, model_shape, pretrained_dtype
+from nemo_automodel.components.models.causal_lm import (
+    build_causal_lm,
+    model_shape,
+    pretrained_dtype,
+    probe_packing_at_start,
+)
 from nemo_automodel.components.training.failure import propagate_failures
 from nemo_automodel.components.training.metrics import LOG_FILE, MetricsWriter, StepMetrics, configure_logging
 from nemo_automodel.components.training.optim import build_optimizer, build_scheduler
@@ -205,11 +210,14 @@ def train(
     hf_config = model.config
     if topology.is_main:  # again, now with what trains: the loaded model's shape, the tokenizer actually used
         _save_resolved_config(config, run_dir, hf_config, tokenizer)
+    model = model.to(device)
+    with input_errors():  # every rank of a CP group measures the same leak: all refuse together
+        probe_packing_at_start(model, config.model, meshes.cp, cp_options(config.cp, None), config.data.seq_len)
     lora: LoraRun | None = None
-    if config.peft.method == "lora":
+    if config.peft.method == "lora":  # after the probe: it checks the base model's own attention
         with input_errors():
             lora = start_lora(config, model, tokenizer, run_dir, topology.rank)
-    model = shard_model(model.to(device), meshes.dp_cp)
+    model = shard_model(model, meshes.dp_cp)
     optimizer = build_optimizer(model, config.optim)
     scheduler = build_scheduler(optimizer, config.optim, trainer.max_steps)
     _log_setup(config, topology, device, data, model, run_dir)
@@ -408,7 +416,8 @@ def _resume(
 
     Raises:
         InputError: ``trainer.max_steps`` is below the checkpoint's step (nothing to train, and its export
-            would not be the model asked for), or a setting changed that changes what the run trains on.
+            would not be the model asked for), or a setting changed that changes what the run trains on, or
+            a checkpoint of the other kind (LoRA vs full) or of another LoRA base.
     """
     trainer = config.trainer
     path = newest_intact(ckpt_root, topology.rank) if trainer.resume == "auto" else None

@@ -285,6 +285,7 @@ CORE: dict[str, Callable[[], Any]] = {
     "plan-doc-lens-too-long": lambda: _planner("--cp", "2", "--seq-len", "64", "--doc-lens", "60,8"),
     "plan-data-core": lambda: _core_planner("--cp", "2", "--seq-len", "64", "--data", "data.jsonl"),
     "plan-data-missing": lambda: _planner("--cp", "2", "--seq-len", "64", "--data", "/nonexistent/data.jsonl"),
+    "plan-model-missing": lambda: _planner("--cp", "2", "--seq-len", "8", "--doc-lens", "8", "--model", "/nonexistent"),
     "plan-data-line": lambda: _planner_data('{"text": "abc"}\n[1, 2]\n'),
     "plan-lib-lengths": lambda: doc_runs_from_lengths([3, 0]),
     "plan-lib-total": lambda: doc_runs_from_lengths([5], 3),
@@ -418,6 +419,16 @@ def _packable(name: str, seq_len: int | None = None) -> None:
     from tests.families import make_config
 
     check_packable_config(make_config(name), seq_len=seq_len)
+
+
+def _probe(name: str) -> None:
+    """The packing-isolation probe (cp=1, in process) on a tiny model of the table, loaded on our attention."""
+    from nemo_automodel.components.models.cp_attention import CP_ATTN_IMPLEMENTATION, register_cp_attention
+    from nemo_automodel.components.models.packing_probe import verify_packing_isolation
+    from tests.families import build_model
+
+    register_cp_attention()
+    verify_packing_isolation(build_model(name, CP_ATTN_IMPLEMENTATION).float())
 
 
 def _patch_sdpa_config(config: Any) -> None:
@@ -579,6 +590,8 @@ RECIPE: dict[str, Callable[[], Any]] = {
     "model-packing-bypass": lambda: _packable("falcon"),
     "model-packing-chunked": lambda: _packable("llama4_text", seq_len=5),
     "model-packing-temperature": lambda: _packable("llama4_text", seq_len=4),
+    "model-packing-leak": lambda: _probe("lfm2"),
+    "model-packing-probe-no-attention": lambda: _probe("bloom"),
     "model-patch-sdpa-window": _patch_sdpa_window,
     "model-patch-sdpa-softcap": lambda: _patch_sdpa_config(_gemma2_config()),
     "model-patch-sdpa-sinks": lambda: _patch_sdpa_config(_gpt_oss_config()),

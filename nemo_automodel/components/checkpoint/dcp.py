@@ -21,10 +21,13 @@ the newest one that passes verification (:func:`newest_intact`).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -136,13 +139,14 @@ def save_checkpoint(
             shutil.rmtree(stale)
         tmp.mkdir()
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
-    if rank == 0:
-        (tmp / TRAINER_STATE).write_text(json.dumps(asdict(state), indent=1))
-        for name, record in (records or {}).items():
-            (tmp / name).write_text(json.dumps(record, indent=1))
+    with _disk_full_named(root):
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+        if rank == 0:
+            (tmp / TRAINER_STATE).write_text(json.dumps(asdict(state), indent=1))
+            for name, record in (records or {}).items():
+                (tmp / name).write_text(json.dumps(record, indent=1))
     dist.barrier()  # every rank's files are in tmp
     write_manifest(tmp, rank)  # the last file: the rename below publishes the checkpoint with it
     if rank == 0:
@@ -153,6 +157,38 @@ def save_checkpoint(
         _prune(root, keep)
     dist.barrier()
     return final
+
+
+# Below this many free bytes after a failed write, the failure is taken to be a full disk: torch's zip
+# writer reports ENOSPC as "unexpected pos ..." without the errno.
+_NEARLY_FULL_BYTES = 1 << 20
+
+
+def _is_disk_full(exc: BaseException, root: Path) -> bool:
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        return shutil.disk_usage(root).free < _NEARLY_FULL_BYTES
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _disk_full_named(root: Path) -> Iterator[None]:
+    """Re-raise a write that failed on a full disk as ``OSError(ENOSPC, "no space left on <root>" ...)``."""
+    try:
+        yield
+    except Exception as exc:
+        if not _is_disk_full(exc, root):
+            raise
+        raise OSError(
+            errno.ENOSPC,
+            f"no space left on {root} while writing a checkpoint (the previous checkpoint is intact): free space "
+            "there, lower trainer.keep_checkpoints, or point hydra.run.dir at a larger file system",
+        ) from exc
 
 
 def _remove(path: Path) -> None:
