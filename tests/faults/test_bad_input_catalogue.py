@@ -531,6 +531,7 @@ RECIPE: dict[str, Callable[[], Any]] = {
     "data-chat-not-incremental": lambda: _chat(QA, tokenizer=_chat_tokenizer(template=NOT_INCREMENTAL)),
     "data-chat-too-long": lambda: _chat([("user", "x" * 80), ("assistant", "y")], long_conversations="error"),
     "data-chat-all-too-long": lambda: _chat([("user", "x" * 80), ("assistant", "y")]),
+    "data-chat-all-too-long-held-out": lambda: _chat([("user", "x" * 80), ("assistant", "y")], validation="0.1"),
     "data-mixed-file": lambda: _data(
         '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n{"text": "c"}\n',
         _chat_tokenizer(),
