@@ -189,7 +189,7 @@ def test_a_validation_file_is_packed_apart_in_the_training_format(tmp_path):
 
 
 def test_the_planner_plans_the_rows_the_recipe_would_train_on(tmp_path, chat_tokenizer, capsys):
-    from nemo_automodel.components.distributed.blockdiag_cp import plan
+    from nemo_automodel.recipes import plan
 
     path = _write(tmp_path / "chat.jsonl", [{"messages": _turns(i % 3 + 1)} for i in range(30)])
     rows = prepare_data(DataConfig(source="chat", path=str(path), seq_len=64), chat_tokenizer).train

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from nemo_automodel.components.checkpoint.manifest import MANIFEST, damage, set_aside, write_manifest
 from nemo_automodel.components.training.rng import rng_state, set_rng_state
@@ -122,8 +122,15 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     keep: int,
     rank: int,
+    options: StateDictOptions | None = None,
+    records: dict[str, dict[str, Any]] | None = None,
 ) -> Path:
-    """Collective: save atomically (module docstring); return the final directory."""
+    """Collective: save atomically (module docstring); return the final directory.
+
+    Args:
+        options: What ``get_state_dict`` saves (LoRA: only the trainable adapters, ``checkpoint/adapter.py``).
+        records: Extra JSON files (name -> content) rank 0 writes into the checkpoint (LoRA: the base model).
+    """
     final = checkpoint_dir(root, state.step)
     tmp = root / f"{_TMP_PREFIX}{final.name}"
     if rank == 0:
@@ -133,11 +140,13 @@ def save_checkpoint(
         tmp.mkdir()
     dist.barrier()
     with _disk_full_named(root):
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
         torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
         if rank == 0:
             (tmp / TRAINER_STATE).write_text(json.dumps(asdict(state), indent=1))
+            for name, record in (records or {}).items():
+                (tmp / name).write_text(json.dumps(record, indent=1))
     dist.barrier()  # every rank's files are in tmp
     write_manifest(tmp, rank)  # the last file: the rename below publishes the checkpoint with it
     if rank == 0:
@@ -207,15 +216,24 @@ def read_trainer_state(path: Path) -> TrainerState:
     return TrainerState(**json.loads((path / TRAINER_STATE).read_text()))
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> TrainerState:
+def load_checkpoint(
+    path: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rank: int,
+    options: StateDictOptions | None = None,
+) -> TrainerState:
     """Collective: load model, optimizer and this rank's RNG from ``path``; return the trainer state.
 
-    The scheduler state is in the returned state (the caller owns the scheduler).
+    The scheduler state is in the returned state (the caller owns the scheduler). ``options``: as saved
+    (LoRA: ``checkpoint/adapter.py``).
     """
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state_dict = {"model": model_sd, "optim": optim_sd}
     dcp.load(state_dict, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"])
+    set_state_dict(
+        model, optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"], options=options
+    )
     trainer_state = read_trainer_state(path)
     rng_file = path / f"rng_rank{rank}.pt"
     if rng_file.is_file():

@@ -29,7 +29,6 @@ import torch
 
 from nemo_automodel.components.datasets.formats import Document
 
-PACKING_ALGORITHMS = ("first_fit_decreasing", "first_fit_shuffle")
 IGNORE_INDEX = -100
 
 
@@ -53,6 +52,15 @@ class PackedRows:
             "position_ids": self.position_ids[index : index + 1],
             "_packed_seq_ids": self.seq_ids[index : index + 1],
         }
+
+
+@dataclass(frozen=True)
+class PackedData:
+    """Packed training rows, optional packed validation rows, and what conversion did (for the log)."""
+
+    train: PackedRows
+    validation: PackedRows | None
+    summary: str
 
 
 def _chunk(doc: Document, start: int, end: int) -> Document:
