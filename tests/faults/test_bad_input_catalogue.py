@@ -552,6 +552,7 @@ RECIPE: dict[str, Callable[[], Any]] = {
     "data-jsonl-bad-json": lambda: _jsonl('{"text": "a"}\n{"text": \n'),
     "data-jsonl-no-text": lambda: _jsonl('{"body": "a"}\n'),
     "data-jsonl-bad-utf8": _bad_utf8,
+    "data-jsonl-duplicate-key": lambda: _jsonl('{"text": "a"}\n{"text": "b", "text": "c"}\n'),
     "data-jsonl-empty": lambda: _jsonl("\n\n"),
     "data-all-empty": lambda: pack_documents([[], []], 8, "first_fit_decreasing", 0, 0),
     "path-data-mixed-formats": lambda: _files("a.jsonl", "b.parquet"),

@@ -106,9 +106,23 @@ def _scan_json(path: Path, field: str) -> Iterator[tuple[int, Any]]:
     for line_no, line in enumerate(text.splitlines(), start=1):
         if line.strip():
             try:
-                yield line_no, json.loads(line)
+                yield line_no, json.loads(line, object_pairs_hook=_unique_keys)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{field}={path}: line {line_no} is not valid JSON ({exc.msg})") from None
+            except _DuplicateKeyError as exc:
+                raise ValueError(f"{field}={path}: line {line_no} {exc}; keep one of them") from None
+
+
+class _DuplicateKeyError(ValueError):
+    """A JSON object that names one key twice (``json`` would keep the last silently; Arrow refuses it)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    for key in keys:
+        if keys.count(key) > 1:
+            raise _DuplicateKeyError(f"has the key {key!r} twice")
+    return dict(pairs)
 
 
 def _load(path: Path, cache_dir: Path) -> Any:
