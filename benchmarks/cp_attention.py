@@ -34,7 +34,6 @@ import os
 import queue
 import random
 import resource
-import socket
 import statistics
 import time
 import warnings
@@ -57,6 +56,7 @@ from nemo_automodel.components.distributed.blockdiag_cp import (
 )
 from nemo_automodel.components.distributed.blockdiag_cp.layout import balance, doc_runs_from_lengths, make_shard_plan
 from nemo_automodel.components.distributed.blockdiag_cp.runtime import reset_exchange_stats
+from nemo_automodel.components.launcher.local import free_port
 
 BASELINE = ("contiguous", "allgather", "dense")
 UPSTREAM = ("contiguous", "allgather", "upstream_dense")
@@ -318,12 +318,6 @@ def _worker(
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _slowest(ranks: list[dict[str, Any]], key: str) -> list[float]:
     return [max(step) for step in zip(*(r[key] for r in ranks))]
 
@@ -351,7 +345,7 @@ def run_combo(
     """Run one combination on ``work.cp`` fresh processes; return the reported figures."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(r, port, work, combo, threads, overlap_baseline, efficiency, results))
         for r in range(work.cp)

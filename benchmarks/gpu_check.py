@@ -50,11 +50,12 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project's test kit: float64 reference, CP cases
 
-from cp_attention import _collect, _free_port, sft_mix
+from cp_attention import _collect, sft_mix
 
 from nemo_automodel.components.distributed.blockdiag_cp import gpu_kernels, gpu_libraries, kernels
 from nemo_automodel.components.distributed.blockdiag_cp.gpu_libraries import KernelCall
 from nemo_automodel.components.distributed.blockdiag_cp.variant import AttentionVariant
+from nemo_automodel.components.launcher.local import free_port
 from tests.cases import Case, attend_cases, compare, layout
 from tests.reference import reference_attention
 
@@ -612,7 +613,7 @@ def _exchange_worker(rank: int, port: int, device_name: str, results: Any) -> No
 
 def _exchange_reports(device: torch.device) -> list[dict[str, Any]]:
     ctx = mp.get_context("spawn")
-    results, port = ctx.Queue(), _free_port()
+    results, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_exchange_worker, args=(r, port, str(device), results)) for r in range(2)]
     for p in procs:
         p.start()

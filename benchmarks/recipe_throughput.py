@@ -12,7 +12,7 @@ workers and reports, side by side in one run:
   and from a straight-line fit of peak RSS against the row length, the longest row that fits a
   memory budget per rank for each (the long-row scaling of the metrics notes);
 - ``--syncs``: control collectives and host syncs of one training step with 1, 8 and 32
-  decoder layers (counted with ``blockdiag_cp.syncs.count_syncs``), per exchange, and their
+  decoder layers (counted with ``nemo_automodel.testing.syncs.count_syncs``), per exchange, and their
   growth per layer; ``consensus=call`` (the per-call agreement of earlier versions) side by side.
 
     python benchmarks/recipe_throughput.py --steps 25 --warmup 5
@@ -38,8 +38,8 @@ import torch
 import torch.multiprocessing as mp
 
 from nemo_automodel.components.config.schema import FinetuneConfig, to_plain_dict
-from nemo_automodel.components.distributed.blockdiag_cp.syncs import count_syncs
 from nemo_automodel.components.launcher.local import free_port
+from nemo_automodel.testing.syncs import count_syncs
 
 
 @dataclass(frozen=True)

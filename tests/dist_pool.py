@@ -13,7 +13,6 @@ import contextlib
 import io
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -23,6 +22,8 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+
+from nemo_automodel.components.launcher.local import free_port
 
 
 class HangError(AssertionError):
@@ -39,12 +40,6 @@ class RankResult:
     error_type: str | None = None
     message: str | None = None
     traceback: str | None = None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _dumps(value: Any) -> bytes:
@@ -102,7 +97,7 @@ class DistPool:
         ctx = mp.get_context("spawn")
         self._tasks = [ctx.Queue() for _ in range(world)]
         self._results = ctx.Queue()
-        port = _free_port()
+        port = free_port()
         self._procs = [
             ctx.Process(target=_worker, args=(r, world, port, self._tasks[r], self._results, pg_timeout_s), daemon=True)
             for r in range(world)

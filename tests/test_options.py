@@ -6,10 +6,17 @@ import dataclasses
 import typing
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from nemo_automodel.components.config.schema import CPConfig, to_finetune_config
-from nemo_automodel.components.distributed.blockdiag_cp import options
+from nemo_automodel.components.distributed.blockdiag_cp import (
+    cp_blockdiag_sdpa,
+    make_cp_blockdiag_batch_and_ctx,
+    options,
+)
 from nemo_automodel.components.distributed.blockdiag_cp.options import CPOptions
+from tests.cases import cp_mesh, layout
 
 
 @pytest.mark.parametrize("name", list(options.UPSTREAM_SPELLINGS))
@@ -64,3 +71,26 @@ def test_allow_cross_node_is_read_from_the_environment_once_when_options_are_bui
     assert built.replace(layout="balanced").allow_cross_node  # a copy keeps it; the environment is not read again
     assert not CPOptions().allow_cross_node
     assert not CPOptions(allow_cross_node=False).allow_cross_node
+
+
+def _odd_setting(name: str, value: object) -> str:
+    ids = layout("straddle", dist.get_world_size())
+    batch = {"input_ids": torch.zeros(1, ids.shape[1], dtype=torch.long), "_packed_seq_ids": ids}
+    opts = CPOptions(attn_backend="sdpa_varlen")
+    if dist.get_rank() == 1:
+        opts = opts.replace(**{name: value})
+    ctx, _, shard = make_cp_blockdiag_batch_and_ctx(cp_mesh(), None, batch, options=opts)
+    q = torch.zeros(1, 2, shard.local_len, 4)
+    try:
+        with ctx():
+            cp_blockdiag_sdpa(q, q, q)
+    except RuntimeError as exc:
+        return str(exc).splitlines()[0]
+    return "no error"
+
+
+@pytest.mark.parametrize(("name", "value"), [("allow_cross_node", True), ("check_finite", False)])
+def test_every_setting_is_agreed_by_the_ranks_without_listing_it(pools, name, value):
+    """A new CPOptions field is in the row's agreement automatically: ranks that differ all raise, naming it."""
+    heads = pools.get(2).run_ok(_odd_setting, name, value, timeout=60)
+    assert all(head.startswith(f"block-diagonal CP ranks disagree on {name}") for head in heads), heads

@@ -241,3 +241,26 @@ def test_the_tree_first_fit_gives_nemos_bins_exactly(algorithm):
         lengths = [rng.randint(1, seq_len) for _ in range(n)]
         order = pack_order(lengths, algorithm, seed=1234)
         assert first_fit(order, seq_len) == nemo_first_fit(order, seq_len)
+
+
+def test_a_killed_builds_temp_dir_is_removed_by_the_next_build_on_its_host(tmp_path):
+    """A data build killed by the kernel (out of memory) leaves ``.tmp-<key>-<host>-<pid>``; the next one removes it."""
+    import socket
+    import subprocess
+    import sys
+
+    from nemo_automodel.components.datasets.cache import DataCache
+    from nemo_automodel.components.datasets.loader import PackedData
+    from nemo_automodel.components.datasets.packing import pack_documents
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    mine = tmp_path / f".tmp-old-{socket.gethostname()}-{dead.pid}"
+    elsewhere = tmp_path / f".tmp-old-node-elsewhere-{dead.pid}"
+    for leftover in (mine, elsewhere):
+        leftover.mkdir()
+        (leftover / "partial").write_bytes(b"x" * 100)
+    rows = pack_documents([[1, 2, 3]], 8, "first_fit_decreasing", 0, 0)
+    DataCache(tmp_path, "key").write(lambda scratch: PackedData(rows, None, "one row"))
+    assert not mine.exists() and elsewhere.exists(), "only this host's dead build is removed"
+    assert (tmp_path / "key" / "packed.pt").is_file()

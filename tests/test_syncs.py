@@ -1,6 +1,6 @@
 """Zero control collectives and zero host syncs per attention layer, forward and backward, on every exchange.
 
-Counted with ``blockdiag_cp.syncs.count_syncs`` over one training step of a CP
+Counted with ``nemo_automodel.testing.syncs.count_syncs`` over one training step of a CP
 attention stack with ``N`` and ``N + k`` layers: the difference divided by ``k``
 is the per-layer figure (per-step work, like the agreement check and the
 settlement of kernel failures, cancels out). ``consensus="call"`` adds one
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_automodel.components.distributed.blockdiag_cp import CPOptions, make_cp_blockdiag_batch_and_ctx
-from nemo_automodel.components.distributed.blockdiag_cp.syncs import count_syncs
+from nemo_automodel.testing.syncs import count_syncs
 from tests.cases import cp_mesh, layout
 from tests.faults.injection import AttentionStack, Injector
 

@@ -333,6 +333,13 @@ def _jsonl(text: str) -> None:
     _data(text)
 
 
+def _bad_utf8() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "data.jsonl"
+        path.write_bytes(b'{"text": "fine"}\n{"text": "\xff"}\n')
+        prepare_data(DataConfig(source="text", path=str(path), seq_len=64, cache_dir=tmp), ByteTokenizer())
+
+
 def _chat(*conversations: list[tuple[str, str]], tokenizer: Any = None, **fields: Any) -> None:
     """``data=chat`` over ``conversations`` (each ``[(role, content), ...]``) with the chat tokenizer."""
     lines = [json.dumps({"messages": [{"role": r, "content": c} for r, c in conv]}) for conv in conversations]
@@ -544,6 +551,8 @@ RECIPE: dict[str, Callable[[], Any]] = {
     "path-tokenizer-missing": lambda: check_paths(_config("tokenizer.name_or_path=/nonexistent/tokenizer")),
     "data-jsonl-bad-json": lambda: _jsonl('{"text": "a"}\n{"text": \n'),
     "data-jsonl-no-text": lambda: _jsonl('{"body": "a"}\n'),
+    "data-jsonl-bad-utf8": _bad_utf8,
+    "data-jsonl-duplicate-key": lambda: _jsonl('{"text": "a"}\n{"text": "b", "text": "c"}\n'),
     "data-jsonl-empty": lambda: _jsonl("\n\n"),
     "data-all-empty": lambda: pack_documents([[], []], 8, "first_fit_decreasing", 0, 0),
     "path-data-mixed-formats": lambda: _files("a.jsonl", "b.parquet"),
@@ -560,6 +569,7 @@ RECIPE: dict[str, Callable[[], Any]] = {
     "data-chat-not-incremental": lambda: _chat(QA, tokenizer=_chat_tokenizer(template=NOT_INCREMENTAL)),
     "data-chat-too-long": lambda: _chat([("user", "x" * 80), ("assistant", "y")], long_conversations="error"),
     "data-chat-all-too-long": lambda: _chat([("user", "x" * 80), ("assistant", "y")]),
+    "data-chat-all-too-long-held-out": lambda: _chat([("user", "x" * 80), ("assistant", "y")], validation="0.1"),
     "data-mixed-file": lambda: _data(
         '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n{"text": "c"}\n',
         _chat_tokenizer(),

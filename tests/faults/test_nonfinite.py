@@ -31,6 +31,8 @@ def _poison_hook(rank: int, value: float) -> Any:
     calls = [0]
 
     def hook(module: torch.nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        if not module.training:  # the packing-isolation probe before step 1 runs in eval mode: not a step
+            return out
         calls[0] += 1
         if dist.get_rank() != rank or calls[0] != (POISONED_STEP - 1) * GRAD_ACCUM + 1:
             return out

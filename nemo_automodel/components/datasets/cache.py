@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -40,6 +41,7 @@ DATA_FILE = "packed.pt"
 DEFAULT_CACHE_DIR = Path("~/.cache/nemo_automodel/data")
 _FIELDS = ("input_ids", "labels", "position_ids", "seq_ids")
 _POLL_S = 0.2
+_TMP_PREFIX = ".tmp-"
 
 logger = logging.getLogger("nemo_automodel.finetune")
 
@@ -100,7 +102,8 @@ class DataCache:
     def write(self, build: Callable[[Path], PackedData]) -> PackedData:
         """Build the data (``build(scratch_dir)``) and publish it atomically as this entry."""
         self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.root / f".tmp-{self.key}-{os.getpid()}"
+        _remove_dead_builds(self.root)
+        tmp = self.root / f"{_TMP_PREFIX}{self.key}-{socket.gethostname()}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
@@ -151,6 +154,25 @@ class DataCache:
                     "data.cache_dir on a file system every node shares"
                 )
         return self.read()
+
+
+def _remove_dead_builds(root: Path) -> None:
+    """Remove the temp dirs of builds on this host whose process is gone (killed, e.g. out of memory).
+
+    Named ``.tmp-<key>-<host>-<pid>``: a build on another host (a shared cache dir) is never touched.
+    """
+    host = socket.gethostname()
+    for tmp in root.glob(f"{_TMP_PREFIX}*-{host}-*"):
+        pid = tmp.name.rsplit("-", 1)[1]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            logger.info("removed %s, left by a data build that was killed", tmp)
+        except PermissionError:  # alive, another user's
+            pass
 
 
 def _wait(store: Any, key: str) -> str:

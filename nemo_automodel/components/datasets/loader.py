@@ -110,11 +110,16 @@ def _hold_out(docs: list[Document], fraction: float, seed: int) -> tuple[list[Do
     return [d for i, d in enumerate(docs) if i not in held], [d for i, d in enumerate(docs) if i in held]
 
 
-def _pack(cfg: DataConfig, docs: list[Document], stats: FormatStats, tokenizer: Any, what: str) -> PackedRows:
+def _require_documents(cfg: DataConfig, docs: list[Document], stats: FormatStats, what: str) -> None:
+    """Say why nothing is left (e.g. every record too long) before anything else is done with no documents."""
     if not docs:
         raise ValueError(
             f"{what}: no documents left ({stats.summary(cfg.seq_len)}); raise data.seq_len or check the data"
         )
+
+
+def _pack(cfg: DataConfig, docs: list[Document], stats: FormatStats, tokenizer: Any, what: str) -> PackedRows:
+    _require_documents(cfg, docs, stats, what)
     rows = pack_documents(docs, cfg.seq_len, cfg.packing_algorithm, tokenizer.pad_id, cfg.seed, cfg.long_documents)
     if not bool((rows.labels != -100).any()):
         raise ValueError(f"{what}: no token carries loss; check data.loss_on and the data")
@@ -137,6 +142,7 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, scratch: Path | None = None) -
         if not records:
             raise ValueError(f"data.path={cfg.path}: no documents found (expected one JSON object per line / row)")
         docs, stats = to_documents(cfg, records, tokenizer)
+        _require_documents(cfg, docs, stats, "data")  # not "holds out 1 of 0 documents" when all were dropped
         held: list[Document] | None = None
         held_stats = stats
         fraction = cfg.validation_fraction

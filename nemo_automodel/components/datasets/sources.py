@@ -87,7 +87,15 @@ def resolve_files(path: str, split: str | None, field: str = "data.path") -> lis
 
 def _scan_json(path: Path, field: str) -> Iterator[tuple[int, Any]]:
     """``(line, object)`` of a JSON Lines file (or ``(i, item)`` of a JSON array), raising on bad JSON."""
-    text = path.read_text(encoding="utf-8")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line_no = raw.count(b"\n", 0, exc.start) + 1
+        raise ValueError(
+            f"{field}={path}: line {line_no} is not valid UTF-8 (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
+            "re-encode the file as UTF-8 (e.g. iconv -f <its encoding> -t UTF-8)"
+        ) from None
     if text.lstrip().startswith("["):
         try:
             items = json.loads(text)
@@ -98,9 +106,23 @@ def _scan_json(path: Path, field: str) -> Iterator[tuple[int, Any]]:
     for line_no, line in enumerate(text.splitlines(), start=1):
         if line.strip():
             try:
-                yield line_no, json.loads(line)
+                yield line_no, json.loads(line, object_pairs_hook=_unique_keys)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{field}={path}: line {line_no} is not valid JSON ({exc.msg})") from None
+            except _DuplicateKeyError as exc:
+                raise ValueError(f"{field}={path}: line {line_no} {exc}; keep one of them") from None
+
+
+class _DuplicateKeyError(ValueError):
+    """A JSON object that names one key twice (``json`` would keep the last silently; Arrow refuses it)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    for key in keys:
+        if keys.count(key) > 1:
+            raise _DuplicateKeyError(f"has the key {key!r} twice")
+    return dict(pairs)
 
 
 def _load(path: Path, cache_dir: Path) -> Any:
@@ -141,10 +163,27 @@ def read_records(
                     ) from None
             cause = exc.__cause__ or exc
             raise ValueError(f"{field}={path}: could not be read as {BUILDERS[path.suffix]} ({cause})") from None
-        for row, record in enumerate(table, start=1):
+        for row, record in enumerate(_decoded_rows(table, f"{field}={path}"), start=1):
             where = f"{field}={path}: row {row}"
             _checked(check, record, where)
             yield where, record
+
+
+def _decoded_rows(table: Any, where: str) -> Iterator[dict[str, Any]]:
+    """The table's rows; a string that is not UTF-8 (Arrow keeps the bytes, decoding fails on access) is named."""
+    rows = iter(table)
+    row = 0
+    while True:
+        row += 1
+        try:
+            yield next(rows)
+        except StopIteration:
+            return
+        except UnicodeDecodeError as exc:
+            raise ValueError(
+                f"{where}: row {row} is not valid UTF-8 (byte 0x{exc.object[exc.start]:02x}); re-encode the file "
+                "as UTF-8 (e.g. iconv -f <its encoding> -t UTF-8)"
+            ) from None
 
 
 def _checked(check: Any, record: Any, where: str) -> None:

@@ -278,20 +278,22 @@ def _agreement_fields(
     route: Route,
     variant: AttentionVariant = PLAIN,
 ) -> dict[str, Any]:
-    """What every CP rank of a step must agree on: options, resolved kernel and path, lengths, layout, shapes."""
+    """What every CP rank of a row must agree on: every setting, resolved kernel, path and layout, lengths, shapes.
+
+    Every field of :class:`~.options.CPOptions` but the caller's cost-model hint ``attn_shape`` (its effect,
+    the resolved layout, is agreed): a new setting is agreed without touching this function.
+    """
     plan = state.shard_plan
-    options = state.options
+    settings = {f.name: getattr(state.options, f.name) for f in dataclasses.fields(state.options)}
+    del settings["attn_shape"]
     return {
         "cp_size": state.cp_size,
         "sequence length": plan.runs.total_len,
         "local length": state.local_len,
-        "attn_backend": options.attn_backend,
+        **settings,
         "resolved kernel": kernel,
-        "kv_exchange": options.kv_exchange,
         "resolved kv path": route.path,
-        "layout": plan.layout,
-        "overlap": options.overlap,
-        "consensus": options.consensus,
+        "resolved layout": plan.layout,
         "document layout": (plan.runs.starts, plan.runs.ends, plan.pieces),
         "attention variant": tuple(variant.features()),
         "query/key/value shapes and dtype": (

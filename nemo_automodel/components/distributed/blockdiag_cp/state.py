@@ -13,12 +13,11 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from nemo_automodel.components.distributed.blockdiag_cp.options import CPOptions
 
 if TYPE_CHECKING:
-    import torch.distributed as dist
-
     from nemo_automodel.components.distributed.blockdiag_cp.cost import Shape
     from nemo_automodel.components.distributed.blockdiag_cp.layout import ShardPlan
     from nemo_automodel.components.distributed.blockdiag_cp.metadata import WindowPlan
@@ -93,6 +92,7 @@ class StepCache:
         kernel: Per call signature, the concrete kernel, or why the requested one cannot run.
         shape: The attention shape of the first call (for the cost model).
         finite: Per CP call, a device bool ``[3]``: are q, k, v all finite (no host sync).
+        preflight: Answers of the seed's ``compat._needed_only_preflight`` (its collective runs once per key).
     """
 
     windows: dict[int | None, WindowPlan] = field(default_factory=dict)
@@ -100,6 +100,7 @@ class StepCache:
     kernel: dict[KernelKey, tuple[str | None, Exception | None]] = field(default_factory=dict)
     shape: Shape | None = None
     finite: list[torch.Tensor] = field(default_factory=list)
+    preflight: dict[tuple[str, str, str, int, int], tuple[bool, str | None]] = field(default_factory=dict)
 
 
 @dataclass
@@ -157,11 +158,14 @@ class FailureLog:
 
 @dataclass(frozen=True)
 class BlockdiagCpModelState:
-    """The model-facing, read-only view of an active block-diagonal CP step.
+    """The model-facing, read-only view of an active block-diagonal CP row.
 
     Models with their own sequence mixers (recurrent layers, convolutions) or
     that embed inputs inside ``forward`` (``shard_primary=False``) read it with
-    ``current_blockdiag_cp_state()``.
+    ``current_blockdiag_cp_state()``. Upstream's three fields (``group``,
+    ``packed_cu_seqlens``, ``packed_cu_seqlens_cpu``) are enough to build one: the
+    others then describe a contiguous layout over the group (``cp_rank``/``cp_size``
+    from ``group``, ``L = S_full / cp_size``).
 
     Attributes:
         group: The CP process group (``None`` when ``cp_size == 1``).
@@ -180,13 +184,27 @@ class BlockdiagCpModelState:
     group: dist.ProcessGroup | None
     packed_cu_seqlens: torch.Tensor
     packed_cu_seqlens_cpu: torch.Tensor
-    cp_rank: int
-    cp_size: int
-    row_offset: int
-    local_len: int
-    padded_seq_len: int
-    layout: str
-    positions: torch.Tensor
+    cp_rank: int | None = None
+    cp_size: int | None = None
+    row_offset: int | None = None
+    local_len: int | None = None
+    padded_seq_len: int | None = None
+    layout: str = "contiguous"
+    positions: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        grouped = self.group is not None
+        size = self.cp_size if self.cp_size is not None else (dist.get_world_size(self.group) if grouped else 1)
+        rank = self.cp_rank if self.cp_rank is not None else (dist.get_rank(self.group) if grouped else 0)
+        total = self.padded_seq_len if self.padded_seq_len is not None else int(self.packed_cu_seqlens_cpu[-1])
+        local = self.local_len if self.local_len is not None else total // size
+        offset = self.row_offset if self.row_offset is not None else rank * local
+        derived = {"cp_size": size, "cp_rank": rank, "padded_seq_len": total, "local_len": local, "row_offset": offset}
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
+        if self.positions is None:
+            rows = torch.arange(offset, offset + local, device=self.packed_cu_seqlens.device)
+            object.__setattr__(self, "positions", rows)
 
 
 @dataclass

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nemo_automodel.components.distributed.blockdiag_cp import exchange
+
 HOST_SYNC_METHODS = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__")
 COLLECTIVES = (
     "all_reduce",
@@ -55,13 +57,13 @@ COLLECTIVES = (
 # isend/irecv are not wrapped: P2POp accepts only the original functions (batch_isend_irecv is counted).
 # Collectives issued from these files move data, they do not synchronize control flow: the
 # K/V exchange (what CP exists to do) and FSDP's parameter / gradient traffic.
-_EXCHANGE_FILE = str(Path(__file__).with_name("exchange.py"))
+_EXCHANGE_FILE = str(Path(exchange.__file__))
 _TORCH_DIR = Path(torch.__file__).parent
 _FSDP_DIR = str(_TORCH_DIR / "distributed" / "fsdp")
 # Origins of host synchronizations, first match wins: (label, directory prefix).
 _ORIGINS = (
-    ("cp", str(Path(__file__).parent)),
-    ("nemo_automodel", str(Path(__file__).parents[3])),
+    ("cp", str(Path(exchange.__file__).parent)),
+    ("nemo_automodel", str(Path(__file__).parents[1])),
     ("torch.optim", str(_TORCH_DIR / "optim")),
     ("fsdp", _FSDP_DIR),
     ("torch", str(_TORCH_DIR)),
