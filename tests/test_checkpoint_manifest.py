@@ -77,3 +77,30 @@ def test_the_damage_message_names_the_file_and_the_failed_check(tmp_path, kind):
     DAMAGE[kind][0](checkpoint)
     problem = damage(checkpoint)
     assert problem is not None and DAMAGE[kind][1] in problem and str(checkpoint) in problem
+
+
+def _save_on_a_full_disk(root: str) -> str:
+    """Pool worker: a checkpoint whose RNG write fails with ENOSPC; return the error's message."""
+    import errno
+
+    from nemo_automodel.components.checkpoint import dcp as dcp_module
+
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters())
+
+    def full() -> dict:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    real, dcp_module.rng_state = dcp_module.rng_state, full
+    try:
+        save_checkpoint(Path(root), TrainerState(1, 2, {}, 1, 1, 1), model, optimizer, keep=2, rank=dist.get_rank())
+    except OSError as exc:
+        return str(exc)
+    finally:
+        dcp_module.rng_state = real
+    return "saved"
+
+
+def test_a_full_disk_says_no_space_left_on_the_checkpoint_dir(pools, tmp_path):
+    (message,) = pools.get(1).run_ok(_save_on_a_full_disk, str(tmp_path), timeout=60)
+    assert f"no space left on {tmp_path} while writing a checkpoint (the previous checkpoint is intact)" in message

@@ -23,6 +23,9 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from nemo_automodel.components.checkpoint.adapter import ADAPTER_DIR, BASE_MODEL_FILE, LOAD_OPTIONS, SAVE_OPTIONS
+from nemo_automodel.components.checkpoint.adapter import check_resume as check_adapter_resume
+from nemo_automodel.components.checkpoint.adapter import save_outputs as save_adapter_outputs
 from nemo_automodel.components.checkpoint.best import BEST_DIR, read_best, write_best
 from nemo_automodel.components.checkpoint.dcp import (
     TrainerState,
@@ -45,7 +48,6 @@ from nemo_automodel.components.checkpoint.resume import (
     compare_fingerprints,
     run_fingerprint,
 )
-from nemo_automodel.components.config.checks import check_attn_backend, check_paths, check_run_dir
 from nemo_automodel.components.config.errors import InputError, input_errors, report_input_error
 from nemo_automodel.components.config.schema import (
     FinetuneConfig,
@@ -69,7 +71,12 @@ from nemo_automodel.components.distributed.parallel import (
 from nemo_automodel.components.launcher.env import detect_launch, is_secondary_rank
 from nemo_automodel.components.launcher.local import free_port, launch_local_workers
 from nemo_automodel.components.launcher.run_lock import RunDirInUseError, hold_run_dir
-from nemo_automodel.components.models.causal_lm import build_causal_lm, model_shape, pretrained_dtype
+from nemo_automodel.components.models.causal_lm import (
+    build_causal_lm,
+    model_shape,
+    pretrained_dtype,
+    probe_packing_at_start,
+)
 from nemo_automodel.components.training.failure import propagate_failures
 from nemo_automodel.components.training.metrics import LOG_FILE, MetricsWriter, StepMetrics, configure_logging
 from nemo_automodel.components.training.optim import build_optimizer, build_scheduler
@@ -88,6 +95,8 @@ from nemo_automodel.components.training.step import (
     train_step,
     validate,
 )
+from nemo_automodel.recipes.checks import check_attn_backend, check_paths, check_run_dir
+from nemo_automodel.recipes.lora import LoraRun, check_quantize, start_lora
 
 logger = logging.getLogger("nemo_automodel.finetune")
 
@@ -201,6 +210,7 @@ def train(
     seed_everything(trainer.seed)
     with input_errors():
         check_attn_backend(config, device)  # an explicit kernel that cannot run here: refused before training
+        check_quantize(config.peft, device)  # QLoRA without CUDA or bitsandbytes: refused before loading anything
     meshes = build_meshes(topology, device, config.dist.pg_timeout_s)
     if topology.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -219,7 +229,14 @@ def train(
     hf_config = model.config
     if topology.is_main:  # again, now with what trains: the loaded model's shape, the tokenizer actually used
         _save_resolved_config(config, run_dir, hf_config, tokenizer)
-    model = shard_model(model.to(device), meshes.dp_cp)
+    model = model.to(device)
+    with input_errors():  # every rank of a CP group measures the same leak: all refuse together
+        probe_packing_at_start(model, config.model, meshes.cp, cp_options(config.cp, None), config.data.seq_len)
+    lora: LoraRun | None = None
+    if config.peft.method == "lora":  # after the probe: it checks the base model's own attention
+        with input_errors():
+            lora = start_lora(config, model, tokenizer, run_dir, topology.rank)
+    model = shard_model(model, meshes.dp_cp)
     optimizer = build_optimizer(model, config.optim)
     scheduler = build_scheduler(optimizer, config.optim, trainer.max_steps)
     _log_setup(config, topology, device, data, model, run_dir)
@@ -227,7 +244,7 @@ def train(
 
     ckpt_root = run_dir / "checkpoints"
     fingerprint = run_fingerprint(config, dataset, topology.dp)
-    start_step = _resume(config, fingerprint, ckpt_root, model, optimizer, scheduler, topology, schedule)
+    start_step = _resume(config, fingerprint, ckpt_root, model, optimizer, scheduler, topology, schedule, lora)
     best = read_best(run_dir) if trainer.keep_best else None
 
     def save(step: int, root: Path = ckpt_root, keep: int = trainer.keep_checkpoints) -> Path:
@@ -240,7 +257,16 @@ def train(
             topology.cp,
             fingerprint,
         )
-        path = save_checkpoint(root, state, model, optimizer, keep, topology.rank)
+        path = save_checkpoint(
+            root,
+            state,
+            model,
+            optimizer,
+            keep,
+            topology.rank,
+            options=SAVE_OPTIONS if lora else None,  # LoRA: the adapters and their optimizer state only
+            records={BASE_MODEL_FILE: lora.base.record()} if lora else None,
+        )
         logger.info("checkpoint saved: %s", path)
         return path
 
@@ -332,8 +358,14 @@ def train(
             outputs.checkpoint = save(trainer.max_steps)
             if preemption.agreed(group, device):  # a signal up to the end of the final save: export on requeue
                 return stop(trainer.max_steps, outputs.checkpoint, "the HF export" if trainer.export_hf else "nothing")
-        if trainer.export_hf and not exported_at(run_dir, trainer.max_steps):
-            outputs.export = _export(config, model, hf_config, tokenizer, run_dir / "hf", topology)
+        export_due = trainer.export_hf and not exported_at(run_dir, trainer.max_steps)
+        merged = None
+        if lora is not None:  # adapter/ in PEFT format; with an export due, the merged weights for hf/
+            outputs.adapter, merged = save_adapter_outputs(
+                model, lora.peft_model, hf_config, lora.base, run_dir / ADAPTER_DIR, topology.rank, export_due
+            )
+        if export_due:
+            outputs.export = _export(config, model, hf_config, tokenizer, run_dir / "hf", topology, merged)
             if topology.is_main:
                 record_export(run_dir, trainer.max_steps, outputs.export)
             if preemption.agreed(group, device):  # the run is complete: the requeued run says so and stops
@@ -369,6 +401,7 @@ class _Outputs:
     checkpoint: Path | None
     best: tuple[int, float] | None
     export: Path | None = None
+    adapter: Path | None = None
 
     def places(self) -> dict[str, Path | None]:
         tensorboard = self.run_dir / "tensorboard"
@@ -379,6 +412,7 @@ class _Outputs:
             "log": self.run_dir / LOG_FILE,
             "checkpoint": self.checkpoint,
             "best checkpoint": best,
+            "LoRA adapter": self.adapter,
             "HF export": self.export,
             "tensorboard": tensorboard if tensorboard.is_dir() else None,
         }
@@ -393,6 +427,7 @@ def _resume(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     topology: Topology,
     schedule: RowSchedule,
+    lora: LoraRun | None,
 ) -> int:
     """Load the newest intact checkpoint when ``trainer.resume=auto``; return the step to continue from.
 
@@ -400,7 +435,8 @@ def _resume(
 
     Raises:
         InputError: ``trainer.max_steps`` is below the checkpoint's step (nothing to train, and its export
-            would not be the model asked for), or a setting changed that changes what the run trains on.
+            would not be the model asked for), or a setting changed that changes what the run trains on, or
+            a checkpoint of the other kind (LoRA vs full) or of another LoRA base.
     """
     trainer = config.trainer
     path = newest_intact(ckpt_root, topology.rank) if trainer.resume == "auto" else None
@@ -408,8 +444,10 @@ def _resume(
         return 0
     recorded = read_trainer_state(path)
     check_resume_step(trainer.max_steps, path, recorded.step)
+    with input_errors():  # a checkpoint of the other kind (LoRA vs full), or of another LoRA base
+        check_adapter_resume(path, lora.base if lora else None)
     changes = compare_fingerprints(recorded.fingerprint, fingerprint, path, recorded.step)
-    state = load_checkpoint(path, model, optimizer, topology.rank)
+    state = load_checkpoint(path, model, optimizer, topology.rank, options=LOAD_OPTIONS if lora else None)
     scheduler.load_state_dict(state.scheduler)
     apply_optim_settings(optimizer, scheduler, config.optim)
     for change in changes:
@@ -490,13 +528,22 @@ def _log_setup(
 
 
 def _export(
-    config: FinetuneConfig, model: torch.nn.Module, hf_config: Any, tokenizer: Any, out_dir: Path, topology: Topology
+    config: FinetuneConfig,
+    model: torch.nn.Module,
+    hf_config: Any,
+    tokenizer: Any,
+    out_dir: Path,
+    topology: Topology,
+    weights: dict[str, torch.Tensor] | None = None,
 ) -> Path | None:
-    """Collective: the HF export (model in its dtype, inference config, tokenizer); rank 0 returns its path."""
+    """Collective: the HF export (model in its dtype, inference config, tokenizer); rank 0 returns its path.
+
+    ``weights``: the full weights to write instead of ``model``'s (LoRA: merged on rank 0, ``{}`` elsewhere).
+    """
     pretrained = config.model.pretrained_path
     dtype = export_dtype(config.trainer.export_dtype, pretrained_dtype(pretrained) if pretrained else None)
     out_config = export_config(hf_config, dtype, tokenizer.eos_id, tokenizer.pad_id, built=pretrained is None)
-    path = export_hf(model, out_config, out_dir, topology.rank, dtype)
+    path = export_hf(model, out_config, out_dir, topology.rank, dtype, weights)
     if path is not None:
         if isinstance(tokenizer, HFTokenizer):
             tokenizer.save_pretrained(path)

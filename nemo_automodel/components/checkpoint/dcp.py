@@ -21,10 +21,13 @@ the newest one that passes verification (:func:`newest_intact`).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from nemo_automodel.components.checkpoint.manifest import MANIFEST, damage, set_aside, write_manifest
 from nemo_automodel.components.training.rng import rng_state, set_rng_state
@@ -119,8 +122,15 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     keep: int,
     rank: int,
+    options: StateDictOptions | None = None,
+    records: dict[str, dict[str, Any]] | None = None,
 ) -> Path:
-    """Collective: save atomically (module docstring); return the final directory."""
+    """Collective: save atomically (module docstring); return the final directory.
+
+    Args:
+        options: What ``get_state_dict`` saves (LoRA: only the trainable adapters, ``checkpoint/adapter.py``).
+        records: Extra JSON files (name -> content) rank 0 writes into the checkpoint (LoRA: the base model).
+    """
     final = checkpoint_dir(root, state.step)
     tmp = root / f"{_TMP_PREFIX}{final.name}"
     if rank == 0:
@@ -129,11 +139,14 @@ def save_checkpoint(
             shutil.rmtree(stale)
         tmp.mkdir()
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
-    if rank == 0:
-        (tmp / TRAINER_STATE).write_text(json.dumps(asdict(state), indent=1))
+    with _disk_full_named(root):
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+        if rank == 0:
+            (tmp / TRAINER_STATE).write_text(json.dumps(asdict(state), indent=1))
+            for name, record in (records or {}).items():
+                (tmp / name).write_text(json.dumps(record, indent=1))
     dist.barrier()  # every rank's files are in tmp
     write_manifest(tmp, rank)  # the last file: the rename below publishes the checkpoint with it
     if rank == 0:
@@ -144,6 +157,38 @@ def save_checkpoint(
         _prune(root, keep)
     dist.barrier()
     return final
+
+
+# Below this many free bytes after a failed write, the failure is taken to be a full disk: torch's zip
+# writer reports ENOSPC as "unexpected pos ..." without the errno.
+_NEARLY_FULL_BYTES = 1 << 20
+
+
+def _is_disk_full(exc: BaseException, root: Path) -> bool:
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        return shutil.disk_usage(root).free < _NEARLY_FULL_BYTES
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _disk_full_named(root: Path) -> Iterator[None]:
+    """Re-raise a write that failed on a full disk as ``OSError(ENOSPC, "no space left on <root>" ...)``."""
+    try:
+        yield
+    except Exception as exc:
+        if not _is_disk_full(exc, root):
+            raise
+        raise OSError(
+            errno.ENOSPC,
+            f"no space left on {root} while writing a checkpoint (the previous checkpoint is intact): free space "
+            "there, lower trainer.keep_checkpoints, or point hydra.run.dir at a larger file system",
+        ) from exc
 
 
 def _remove(path: Path) -> None:
@@ -171,15 +216,24 @@ def read_trainer_state(path: Path) -> TrainerState:
     return TrainerState(**json.loads((path / TRAINER_STATE).read_text()))
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> TrainerState:
+def load_checkpoint(
+    path: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rank: int,
+    options: StateDictOptions | None = None,
+) -> TrainerState:
     """Collective: load model, optimizer and this rank's RNG from ``path``; return the trainer state.
 
-    The scheduler state is in the returned state (the caller owns the scheduler).
+    The scheduler state is in the returned state (the caller owns the scheduler). ``options``: as saved
+    (LoRA: ``checkpoint/adapter.py``).
     """
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state_dict = {"model": model_sd, "optim": optim_sd}
     dcp.load(state_dict, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"])
+    set_state_dict(
+        model, optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"], options=options
+    )
     trainer_state = read_trainer_state(path)
     rng_file = path / f"rng_rank{rank}.pt"
     if rng_file.is_file():

@@ -45,14 +45,14 @@ def rows_sha256(rows: PackedRows) -> str:
 
 
 def run_fingerprint(config: FinetuneConfig, rows: PackedRows, dp: int) -> dict[str, Any]:
-    """What a resumed run must match (model, tokenizer, data settings and rows) or may change (optimizer, dp/cp).
+    """What a resumed run must match (model, tokenizer, data and peft settings, rows) or may change (optimizer, dp/cp).
 
     A flat ``{"section.key": value}`` dict, stored in each checkpoint's trainer state.
     """
     plain = to_plain_dict(config)
     flat = {
         f"{section}.{key}": value
-        for section in ("model", "tokenizer", "data", "optim")
+        for section in ("model", "tokenizer", "data", "optim", "peft")
         for key, value in plain[section].items()
         if f"{section}.{key}" not in _NOT_RECORDED
     }

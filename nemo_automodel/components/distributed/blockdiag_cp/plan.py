@@ -7,11 +7,12 @@ model, not two). Command line::
     python -m nemo_automodel.components.distributed.blockdiag_cp.plan --cp 8 --seq-len 131072 \\
         --doc-lens 30000,2000,1500 [--heads 32 --kv-heads 8 --head-dim 128 --dtype bf16 --device cuda] \\
         [--window 4096]
-    python -m nemo_automodel.components.distributed.blockdiag_cp.plan --cp 8 --seq-len 131072 \\
+    python -m nemo_automodel.recipes.plan --cp 8 --seq-len 131072 \\
         --data train.jsonl [--data-format text|chat|instruction] [--text-field text] \\
         [--tokenizer /local/hf_tokenizer_dir] [--rows 8]
 
-``--data`` builds the fine-tuning recipe's own packed rows: the same reading, formatting
+``--data`` (through :mod:`nemo_automodel.recipes.plan`, which has the same options) builds the fine-tuning
+recipe's own packed rows: the same reading, formatting
 (chat template, EOS after every document), tokenization and packing function
 (:func:`nemo_automodel.components.datasets.loader.prepare_data`, the recipe's defaults for
 packing algorithm and seed), so the plan describes the rows the recipe would train on.
@@ -31,7 +32,7 @@ import glob
 import json
 import os
 import statistics
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from nemo_automodel.components.distributed.blockdiag_cp import cost
@@ -118,25 +119,6 @@ def format_table(rows: list[PlanRow]) -> str:
             f"{r.step_s / best:.2f}x | {'<-' if r.auto_pick else ''} |"
         )
     return "\n".join(lines)
-
-
-def _recipe_rows(args: argparse.Namespace) -> list[list[int]]:
-    """Document lengths of the first ``--rows`` rows the recipe would pack from ``--data``.
-
-    Raises:
-        ValueError: the recipe's own message for bad data.
-    """
-    from nemo_automodel.components.config.schema import DataConfig, TokenizerConfig
-    from nemo_automodel.components.datasets.loader import prepare_data
-    from nemo_automodel.components.datasets.tokenizer import build_tokenizer
-
-    cfg = DataConfig(source=args.data_format, path=args.data, text_field=args.text_field, seq_len=args.seq_len)
-    rows = prepare_data(cfg, build_tokenizer(TokenizerConfig(name_or_path=args.tokenizer))).train
-    lengths = []
-    for seq_ids in rows.seq_ids[: args.rows]:
-        _, counts = seq_ids[seq_ids > 0].unique_consecutive(return_counts=True)
-        lengths.append(counts.tolist())
-    return lengths
 
 
 # The attention shape without a model: a typical large model's (Llama-3-8B-like).
@@ -230,7 +212,12 @@ def _average(tables: list[list[PlanRow]]) -> list[PlanRow]:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
+# The recipe-side adapter of ``--data``: (parsed arguments) -> document lengths of each packed row.
+RowsFromData = Callable[[argparse.Namespace], list[list[int]]]
+
+
+def main(argv: list[str] | None = None, *, rows_from_data: RowsFromData | None = None) -> None:
+    """The command line; ``--data`` needs ``rows_from_data`` (the recipe's: :mod:`nemo_automodel.recipes.plan`)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cp", type=_positive_int, required=True, help="CP size")
     parser.add_argument("--seq-len", type=_positive_int, required=True, help="packed row length")
@@ -266,10 +253,12 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--doc-lens add up to {sum(args.doc_lens)} tokens, more than --seq-len {args.seq_len}")
         packed = [args.doc_lens]
     else:
+        if rows_from_data is None:
+            parser.error("--data reads the recipe's data: run python -m nemo_automodel.recipes.plan")
         if not os.path.exists(args.data) and not glob.glob(args.data):
             parser.error(f"--data {args.data}: no such file")
         try:
-            packed = _recipe_rows(args)
+            packed = rows_from_data(args)
         except ValueError as exc:
             parser.error(str(exc))
     tables = [

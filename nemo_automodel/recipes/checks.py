@@ -6,8 +6,9 @@ from pathlib import Path
 
 import torch
 
-from nemo_automodel.components.config.schema import FinetuneConfig
+from nemo_automodel.components.config.schema import FinetuneConfig, bf16_autocast
 from nemo_automodel.components.datasets.sources import resolve_files
+from nemo_automodel.components.distributed.blockdiag_cp.kernels import kernel_unavailable_reason
 
 
 def check_paths(cfg: FinetuneConfig) -> None:
@@ -75,9 +76,6 @@ def check_attn_backend(cfg: FinetuneConfig, device: torch.device) -> None:
     Raises:
         ValueError: naming the kernel, why it cannot run, and the fix.
     """
-    from nemo_automodel.components.distributed.blockdiag_cp.kernels import kernel_unavailable_reason
-    from nemo_automodel.components.training.step import bf16_autocast
-
     backend = cfg.cp.attn_backend
     if backend == "auto":
         return
