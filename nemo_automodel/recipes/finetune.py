@@ -9,6 +9,7 @@ calls ``train``, which reads top to bottom: data, model, optimizer, resume, loop
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -16,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -145,8 +146,26 @@ def local_worker(payload: dict[str, Any], run_dir: str) -> int:
     """
     code = worker_main(payload, run_dir)
     if code:
-        sys.exit(code)
+        exit_now(code)
     return code
+
+
+def exit_now(code: int) -> NoReturn:
+    """Flush and close every log, then end this worker process at once with ``code``.
+
+    The work is done (checkpoint written and renamed, metrics and TensorBoard closed, process group
+    destroyed), but the interpreter's own finalization then spent 12-17 s in C++ destructors
+    (measured after Ctrl-C on a loaded 2-core machine, no Python frame on the stack) before the
+    launcher saw the worker leave; ``os._exit`` skips it, after the ``atexit`` handlers (without them
+    multiprocessing's resource tracker warns about leaked semaphores).
+    """
+    run_exit_functions = getattr(atexit, "_run_exitfuncs", None)  # private: guarded
+    if run_exit_functions is not None:
+        run_exit_functions()  # atexit handlers (logging's flush, multiprocessing's semaphore cleanup) are quick
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def worker_main(payload: dict[str, Any], run_dir: str) -> int:
