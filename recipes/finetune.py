@@ -15,6 +15,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from nemo_automodel.components.config.errors import report_input_error
+from nemo_automodel.components.config.overrides import check_override_keys
 from nemo_automodel.components.config.schema import register_schema
 from nemo_automodel.components.launcher.env import SECONDARY_RANK_HYDRA_OVERRIDES, is_secondary_rank
 from nemo_automodel.components.training.preemption import combined_exit_code
@@ -30,6 +32,10 @@ def finetune(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    try:  # a plain typo gets our did-you-mean before Hydra's "+key" hint
+        check_override_keys(sys.argv[1:])
+    except ValueError as exc:
+        sys.exit(report_input_error(exc, not is_secondary_rank()))
     if is_secondary_rank():
         sys.argv.extend(SECONDARY_RANK_HYDRA_OVERRIDES)
     finetune()

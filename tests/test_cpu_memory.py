@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from nemo_automodel.components.training.cpu_memory import MMAP_THRESHOLD_ENV, fix_mmap_threshold
+from nemo_automodel.components.distributed.cpu_memory import MMAP_THRESHOLD_ENV, fix_mmap_threshold
 
 # In a fresh process: free one 16 MiB tensor (glibc's dynamic threshold rises to 16 MiB), then allocate twenty
 # 8 MiB tensors, free all but the last, and print how much RSS the freed 152 MiB still hold.
 _PROBE = """
 import sys, torch
-from nemo_automodel.components.training.cpu_memory import fix_mmap_threshold
+from nemo_automodel.components.distributed.cpu_memory import fix_mmap_threshold
 if sys.argv[1] == "fixed":
     assert fix_mmap_threshold()
 def rss():

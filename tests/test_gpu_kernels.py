@@ -27,6 +27,7 @@ from nemo_automodel.components.distributed.blockdiag_cp import (
 )
 from nemo_automodel.components.distributed.blockdiag_cp.gpu_libraries import KernelCall
 from nemo_automodel.components.distributed.blockdiag_cp.logs import reset_log_once
+from nemo_automodel.components.distributed.blockdiag_cp.options import choices
 from nemo_automodel.components.distributed.blockdiag_cp.variant import AttentionVariant
 from tests.cases import fake_kernels
 from tests.reference import segments_reference
@@ -668,12 +669,12 @@ def test_auto_on_cpu_is_sdpa_varlen_and_logs_the_skipped_kernels_once():
 
 def test_auto_order_is_documented_and_complete():
     assert kernels.AUTO_PREFERENCE == ("fa3", "flash", "te", "torch_varlen", "sdpa_varlen")
-    assert set(kernels.AUTO_PREFERENCE) | {"dense"} == set(kernels.KERNELS) == set(state.ATTN_BACKEND_VALUES) - {"auto"}
+    assert set(kernels.AUTO_PREFERENCE) | {"dense"} == set(kernels.KERNELS) == set(choices("attn_backend")) - {"auto"}
 
 
 @pytest.mark.parametrize(
     ("spelling", "canonical"),
-    [("fa3", "fa3"), ("flash_attn_3", "fa3"), ("flash-attn-3", "fa3"), ("flash3", "fa3"), ("FA3", "fa3"),
+    [("fa3", "fa3"), ("flash_attn_3", "fa3"), ("flash-attn-3", "fa3"), ("FA3", "fa3"),
      ("torch_varlen", "torch_varlen"), ("varlen_attn", "torch_varlen"), ("flash", "flash"), ("te", "te")],
 )  # fmt: skip
 def test_every_kernel_is_configurable_on_any_machine(spelling, canonical):

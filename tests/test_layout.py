@@ -109,11 +109,11 @@ def test_planner_cli_prints_every_layout_and_exchange(tmp_path):
         ("balanced", "allgather"),
         ("balanced", "a2a"),
     }
-    assert sum("<-" in line for line in table) == 2  # auto's pick, once per layout
+    assert sum("<-" in line for line in table) == 1  # layout=auto + kv_exchange=auto: one pick
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(f'{{"text": "{"x" * n}"}}\n' for n in (900, 3000, 150, 40, 2500, 600)))
     run = subprocess.run(
-        [sys.executable, "-m", module, "--cp", "2", "--seq-len", "4096", "--data", str(data)],
+        [sys.executable, "-m", "nemo_automodel.recipes.plan", "--cp", "2", "--seq-len", "4096", "--data", str(data)],
         capture_output=True,
         text=True,
         timeout=120,

@@ -62,3 +62,15 @@ def test_exact_class_matches_unpacked_eager(pools, name, cp):
     problems = _problems(name, results, cases)
     assert not problems["logits"], "\n".join(map(str, problems["logits"]))
     assert not problems["grads"], "\n".join(map(str, problems["grads"]))
+
+
+def test_verify_packing_false_skips_the_refusal_loudly(caplog):
+    from nemo_automodel.components.config.schema import ModelConfig
+    from nemo_automodel.components.models.causal_lm import check_model_packable
+
+    config = make_config("jamba")
+    with pytest.raises(PackingUnsupportedError, match="JambaForCausalLM"):
+        check_model_packable(config, ModelConfig(), seq_len=64)
+    with caplog.at_level("WARNING"):
+        check_model_packable(config, ModelConfig(verify_packing=False), seq_len=64)
+    assert "model.verify_packing=false" in caplog.text and "silently wrong" in caplog.text

@@ -36,15 +36,15 @@ def test_plain_run_is_cp1_and_plus_cp_blockdiag_selects_cp2_and_the_cost_model()
 @pytest.mark.parametrize(
     ("override", "field", "canonical"),
     [
-        ("cp.kv_exchange=neighbour", "kv_exchange", "halo"),
+        ("cp.kv_exchange=needed_only", "kv_exchange", "halo"),
         ("cp.kv_exchange=all_to_all", "kv_exchange", "a2a"),
         ("cp.kv_exchange=all-gather", "kv_exchange", "allgather"),
-        ("cp.attn_backend=fa2", "attn_backend", "flash"),
-        ("cp.attn_backend=per_doc", "attn_backend", "sdpa_varlen"),
-        ("cp.attn_backend=sdpa", "attn_backend", "dense"),
+        ("cp.attn_backend=flash_attn", "attn_backend", "flash"),
+        ("cp.attn_backend=sdpa_varlen", "attn_backend", "sdpa_varlen"),
+        ("cp.check_finite=false", "check_finite", False),
     ],
 )
-def test_cp_knobs_accept_the_core_synonyms(override, field, canonical):
+def test_cp_knobs_accept_canonical_and_upstream_spellings(override, field, canonical):
     assert getattr(_config("+cp=blockdiag", override).cp, field) == canonical
 
 

@@ -189,7 +189,7 @@ def test_a_validation_file_is_packed_apart_in_the_training_format(tmp_path):
 
 
 def test_the_planner_plans_the_rows_the_recipe_would_train_on(tmp_path, chat_tokenizer, capsys):
-    from nemo_automodel.components.distributed.blockdiag_cp import plan
+    from nemo_automodel.recipes import plan
 
     path = _write(tmp_path / "chat.jsonl", [{"messages": _turns(i % 3 + 1)} for i in range(30)])
     rows = prepare_data(DataConfig(source="chat", path=str(path), seq_len=64), chat_tokenizer).train
@@ -225,3 +225,19 @@ def test_export_config_keeps_the_models_attention_settings_and_turns_the_kv_cach
     assert export_dtype("float32", torch.bfloat16) == torch.float32 and export_dtype("auto", None) == torch.float32
     built = export_config(trained, torch.float32, eos_id=5, pad_id=0, built=True)
     assert built.eos_token_id == 5 and built.bos_token_id is None, "a built model takes the tokenizer's ids"
+
+
+@pytest.mark.parametrize("algorithm", ["first_fit_shuffle", "first_fit_decreasing"])
+def test_the_tree_first_fit_gives_nemos_bins_exactly(algorithm):
+    """Same bins as NeMo's scanning first fit (so packed rows, and every bitwise resume, are unchanged)."""
+    import random
+
+    from nemo.utils.sequence_packing_utils import first_fit as nemo_first_fit
+
+    from nemo_automodel.components.datasets.packing import first_fit, pack_order
+
+    rng = random.Random(3)
+    for n, seq_len in ((1, 8), (7, 8), (500, 64), (3000, 512)):
+        lengths = [rng.randint(1, seq_len) for _ in range(n)]
+        order = pack_order(lengths, algorithm, seed=1234)
+        assert first_fit(order, seq_len) == nemo_first_fit(order, seq_len)

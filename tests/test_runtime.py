@@ -77,7 +77,7 @@ def test_step_snapshot_wins_over_module_config():
         configure_cp_varlen(kv_exchange="halo")  # a later default never reaches a built step
         assert runtime._resolve_cp_varlen_config(st) == ("te", "allgather")
     configure_cp_varlen(attn_backend="dense", kv_exchange="a2a")
-    assert runtime._resolve_cp_varlen_config({"attn_backend": "fa2"}) == ("flash", "a2a")
+    assert runtime._resolve_cp_varlen_config({"attn_backend": "flash_attn"}) == ("flash", "a2a")
     assert runtime._resolve_cp_varlen_config({}) == ("dense", "a2a")
 
 

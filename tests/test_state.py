@@ -1,4 +1,4 @@
-"""Knob normalization, runtime configuration, the thread-shared step slot and the fire counter."""
+"""The seed's process default, the thread-shared step slot and the fire counter."""
 
 from __future__ import annotations
 
@@ -16,66 +16,6 @@ from nemo_automodel.components.distributed.blockdiag_cp import (
 )
 
 
-@pytest.mark.parametrize(
-    ("raw", "canonical"),
-    [
-        ("flash", "flash"),
-        ("FLASH_ATTN", "flash"),
-        ("fa2", "flash"),
-        ("flash-attention-2", "flash"),
-        ("te", "te"),
-        ("transformer_engine", "te"),
-        ("dense", "dense"),
-        ("sdpa", "dense"),
-        ("sdpa_varlen", "sdpa_varlen"),
-        ("varlen", "sdpa_varlen"),
-        ("auto", "auto"),
-        (None, "auto"),
-        ("", "auto"),
-        ("default", "auto"),
-        ("  Default ", "auto"),
-    ],
-)
-def test_attn_backend_synonyms_map_to_canonical(raw, canonical):
-    assert state.normalize_attn_backend(raw) == canonical
-
-
-@pytest.mark.parametrize(
-    ("raw", "canonical"),
-    [
-        ("allgather", "allgather"),
-        ("all_gather", "allgather"),
-        ("ALL-GATHER", "allgather"),
-        ("halo", "halo"),
-        ("neighbor", "halo"),
-        ("needed_only", "halo"),
-        ("a2a", "a2a"),
-        ("all_to_all", "a2a"),
-        ("a2av", "a2a"),
-        (None, "halo"),
-        ("", "halo"),
-        ("default", "halo"),
-    ],
-)
-def test_kv_exchange_synonyms_map_to_canonical(raw, canonical):
-    assert state.normalize_kv_exchange(raw) == canonical
-
-
-@pytest.mark.parametrize(
-    ("fn", "field", "valid"),
-    [
-        (state.normalize_attn_backend, "attn_backend", state.ATTN_BACKEND_VALUES),
-        (state.normalize_kv_exchange, "kv_exchange", state.KV_EXCHANGE_VALUES),
-    ],
-)
-def test_unknown_knob_value_names_field_and_valid_values(fn, field, valid):
-    with pytest.raises(ValueError) as err:
-        fn("ring")
-    message = str(err.value)
-    assert field in message and "'ring'" in message
-    assert all(v in message for v in valid)
-
-
 def test_configure_validates_before_changing_anything():
     state.configure_cp_varlen(attn_backend="dense", kv_exchange="a2a")
     with pytest.raises(ValueError):
@@ -88,7 +28,7 @@ def test_configure_validates_before_changing_anything():
         "check_finite": True,
         "consensus": "step",
     }
-    state.configure_cp_varlen(attn_backend="fa2", kv_exchange="neighbor", layout="zigzag", overlap=False)
+    state.configure_cp_varlen(attn_backend="flash_attn", kv_exchange="needed_only", layout="zigzag", overlap=False)
     assert state.cp_varlen_runtime_config() == {
         "attn_backend": "flash",
         "kv_exchange": "halo",
@@ -156,7 +96,7 @@ def test_options_validate_every_field(changes, message):
 
 
 def test_options_are_frozen_and_canonical():
-    options = state.CPOptions(attn_backend="fa2", kv_exchange="neighbor", layout="zigzag", consensus="per_call")
+    options = state.CPOptions(attn_backend="flash_attn", kv_exchange="needed_only", layout="zigzag", consensus="call")
     assert (options.attn_backend, options.kv_exchange, options.layout, options.consensus) == (
         "flash",
         "halo",

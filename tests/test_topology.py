@@ -102,13 +102,10 @@ def _warnings(logger: logging.Logger) -> Iterator[list[str]]:
 def _spans_nodes(hosts: tuple[str, ...], allow: bool) -> tuple[list[bool], list[str]]:
     """``_cp_group_spans_nodes`` three times, the later calls on rank 0 alone (a collective would hang them)."""
     with mock.patch.dict(os.environ), _world_on(hosts), _warnings(runtime.logger) as warnings:
-        os.environ.pop("NEMO_CP_ALLOW_XNODE", None)
-        if allow:
-            os.environ["NEMO_CP_ALLOW_XNODE"] = "1"
         reset_log_once()
-        answers = [runtime._cp_group_spans_nodes(None)]
+        answers = [runtime._cp_group_spans_nodes(None, allow)]
         if dist.get_rank() == 0:
-            answers += [runtime._cp_group_spans_nodes(dist.group.WORLD) for _ in range(2)]
+            answers += [runtime._cp_group_spans_nodes(dist.group.WORLD, allow) for _ in range(2)]
     return answers, warnings
 
 
@@ -132,7 +129,7 @@ def test_cp_group_spans_nodes_from_hostnames_gathered_once_reason_logged_once(po
 def _fresh_group_is_gathered_at_its_first_call() -> tuple[bool, bool, tuple[str, ...]]:
     group = dist.new_group([0, 1])
     before = topology.known_hosts(group) is None
-    spans = runtime._cp_group_spans_nodes(group)
+    spans = runtime._cp_group_spans_nodes(group, False)
     return before, spans, topology.known_hosts(group).hosts
 
 

@@ -9,6 +9,7 @@ calls ``train``, which reads top to bottom: data, model, optimizer, resume, loop
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -21,11 +22,15 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from nemo_automodel.components.checkpoint.adapter import ADAPTER_DIR, BASE_MODEL_FILE, LOAD_OPTIONS, SAVE_OPTIONS
+from nemo_automodel.components.checkpoint.adapter import check_resume as check_adapter_resume
+from nemo_automodel.components.checkpoint.adapter import save_outputs as save_adapter_outputs
 from nemo_automodel.components.checkpoint.best import BEST_DIR, read_best, write_best
 from nemo_automodel.components.checkpoint.dcp import (
     TrainerState,
     latest_checkpoint,
     load_checkpoint,
+    newest_intact,
     read_trainer_state,
     save_checkpoint,
 )
@@ -36,11 +41,15 @@ from nemo_automodel.components.checkpoint.hf_export import (
     exported_at,
     record_export,
 )
-from nemo_automodel.components.config.checks import check_attn_backend, check_paths, check_run_dir
+from nemo_automodel.components.checkpoint.resume import (
+    apply_optim_settings,
+    check_resume_step,
+    compare_fingerprints,
+    run_fingerprint,
+)
 from nemo_automodel.components.config.errors import InputError, input_errors, report_input_error
 from nemo_automodel.components.config.schema import (
     FinetuneConfig,
-    TrainerConfig,
     to_finetune_config,
     to_plain_dict,
 )
@@ -52,13 +61,21 @@ from nemo_automodel.components.distributed.parallel import (
     build_meshes,
     check_shared_run_dir,
     init_process_group,
+    omp_num_threads,
     resolve_topology,
+    set_threads,
     shard_model,
     training_device,
 )
 from nemo_automodel.components.launcher.env import detect_launch, is_secondary_rank
 from nemo_automodel.components.launcher.local import free_port, launch_local_workers
-from nemo_automodel.components.models.causal_lm import build_causal_lm, pretrained_dtype
+from nemo_automodel.components.launcher.run_lock import RunDirInUseError, hold_run_dir
+from nemo_automodel.components.models.causal_lm import (
+    build_causal_lm,
+    model_shape,
+    pretrained_dtype,
+    probe_packing_at_start,
+)
 from nemo_automodel.components.training.failure import propagate_failures
 from nemo_automodel.components.training.metrics import LOG_FILE, MetricsWriter, StepMetrics, configure_logging
 from nemo_automodel.components.training.optim import build_optimizer, build_scheduler
@@ -77,6 +94,8 @@ from nemo_automodel.components.training.step import (
     train_step,
     validate,
 )
+from nemo_automodel.recipes.checks import check_attn_backend, check_paths, check_run_dir
+from nemo_automodel.recipes.lora import LoraRun, check_quantize, start_lora
 
 logger = logging.getLogger("nemo_automodel.finetune")
 
@@ -91,10 +110,20 @@ def main(cfg: DictConfig, run_dir: Path) -> int:
     try:
         config = to_finetune_config(cfg)  # unknown keys and values fail here, before any process starts
         check_paths(config)
+        omp_num_threads(os.environ.get("OMP_NUM_THREADS"))  # a malformed value fails here, not in every worker
         if show:
             check_run_dir(config, run_dir)
     except ValueError as exc:
         return report_input_error(exc, show)
+    try:  # rank 0's launching process holds the run dir for the whole run: a second run there fails here
+        with hold_run_dir(run_dir) if show else contextlib.nullcontext():
+            return _launch(config, run_dir)
+    except RunDirInUseError as exc:
+        return report_input_error(exc, show)
+
+
+def _launch(config: FinetuneConfig, run_dir: Path) -> int:
+    """Become the worker (torchrun / Slurm / one local rank) or start the local workers; return the exit code."""
     launch = detect_launch(master_port=config.dist.master_port)
     payload = to_plain_dict(config)
     if launch.mode != "local":  # torchrun / srun: this process is one of the workers
@@ -129,35 +158,44 @@ def worker_main(payload: dict[str, Any], run_dir: str) -> int:
         topology = resolve_topology(world, rank, local_rank, config.cp.size, config.dist.dp_size)  # no collective
     except ValueError as exc:
         return report_input_error(exc, rank == 0)
-    device = training_device(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    device = training_device(local_rank)
+    threads = set_threads(config.dist.threads, int(os.environ.get("LOCAL_WORLD_SIZE", world)), device)
     init_process_group(device, config.dist.pg_timeout_s)
     try:
         with propagate_failures(rank, world):  # a failure here is named on every rank, not just a broken collective
             shared = [run_dir]
             dist.broadcast_object_list(shared, src=0)  # under torchrun every rank's Hydra made its own dir: rank 0's
             try:
-                return train(config, Path(shared[0]), topology, device)
+                return train(config, Path(shared[0]), topology, device, threads)
             except InputError as exc:  # every rank raises it (config checks, rank 0's data outcome): rank 0 says it
                 return report_input_error(exc, topology.is_main)
     finally:
         dist.destroy_process_group()
 
 
-def train(config: FinetuneConfig, run_dir: Path, topology: Topology, device: torch.device) -> int:
+def train(
+    config: FinetuneConfig, run_dir: Path, topology: Topology, device: torch.device, threads: str | None = None
+) -> int:
     """Collective: the training job on an initialized process group; return 0 or :data:`EXIT_PREEMPTED`.
+
+    ``threads``: how :func:`worker_main` set this process's threads, to log (callers that set them
+    themselves, like the test pools, pass nothing).
 
     Raises:
         InputError: on every rank, for a config, path or data problem found while setting up.
     """
     configure_logging(topology.rank, run_dir)
+    if threads is not None:
+        logger.info("threads: %s", threads)
     trainer = config.trainer
     seed_everything(trainer.seed)
     with input_errors():
         check_attn_backend(config, device)  # an explicit kernel that cannot run here: refused before training
+        check_quantize(config.peft, device)  # QLoRA without CUDA or bitsandbytes: refused before loading anything
     meshes = build_meshes(topology, device, config.dist.pg_timeout_s)
     if topology.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(OmegaConf.create(to_plain_dict(config)), run_dir / "resolved_config.yaml")
+        _save_resolved_config(config, run_dir)  # early, so a run that fails while loading still has it
     check_shared_run_dir(run_dir, topology.rank)  # checkpoints need one run dir on every node
 
     with input_errors():
@@ -170,21 +208,46 @@ def train(config: FinetuneConfig, run_dir: Path, topology: Topology, device: tor
     dataset = data.train
     schedule = RowSchedule(len(dataset), topology.dp, trainer.grad_accum, config.data.seed)
     hf_config = model.config
-    model = shard_model(model.to(device), meshes.dp_cp)
+    if topology.is_main:  # again, now with what trains: the loaded model's shape, the tokenizer actually used
+        _save_resolved_config(config, run_dir, hf_config, tokenizer)
+    model = model.to(device)
+    with input_errors():  # every rank of a CP group measures the same leak: all refuse together
+        probe_packing_at_start(model, config.model, meshes.cp, cp_options(config.cp, None), config.data.seq_len)
+    lora: LoraRun | None = None
+    if config.peft.method == "lora":  # after the probe: it checks the base model's own attention
+        with input_errors():
+            lora = start_lora(config, model, tokenizer, run_dir, topology.rank)
+    model = shard_model(model, meshes.dp_cp)
     optimizer = build_optimizer(model, config.optim)
     scheduler = build_scheduler(optimizer, config.optim, trainer.max_steps)
     _log_setup(config, topology, device, data, model, run_dir)
     validation = None if data.validation is None else rows_for_rank(data.validation, topology.dp, topology.dp_rank)
 
     ckpt_root = run_dir / "checkpoints"
-    start_step = _resume(trainer, ckpt_root, model, optimizer, scheduler, topology, schedule)
+    fingerprint = run_fingerprint(config, dataset, topology.dp)
+    start_step = _resume(config, fingerprint, ckpt_root, model, optimizer, scheduler, topology, schedule, lora)
     best = read_best(run_dir) if trainer.keep_best else None
 
     def save(step: int, root: Path = ckpt_root, keep: int = trainer.keep_checkpoints) -> Path:
         state = TrainerState(
-            step, step * schedule.rows_per_step, scheduler.state_dict(), topology.world, topology.dp, topology.cp
+            step,
+            step * schedule.rows_per_step,
+            scheduler.state_dict(),
+            topology.world,
+            topology.dp,
+            topology.cp,
+            fingerprint,
         )
-        path = save_checkpoint(root, state, model, optimizer, keep, topology.rank)
+        path = save_checkpoint(
+            root,
+            state,
+            model,
+            optimizer,
+            keep,
+            topology.rank,
+            options=SAVE_OPTIONS if lora else None,  # LoRA: the adapters and their optimizer state only
+            records={BASE_MODEL_FILE: lora.base.record()} if lora else None,
+        )
         logger.info("checkpoint saved: %s", path)
         return path
 
@@ -276,8 +339,14 @@ def train(config: FinetuneConfig, run_dir: Path, topology: Topology, device: tor
             outputs.checkpoint = save(trainer.max_steps)
             if preemption.agreed(group, device):  # a signal up to the end of the final save: export on requeue
                 return stop(trainer.max_steps, outputs.checkpoint, "the HF export" if trainer.export_hf else "nothing")
-        if trainer.export_hf and not exported_at(run_dir, trainer.max_steps):
-            outputs.export = _export(config, model, hf_config, tokenizer, run_dir / "hf", topology)
+        export_due = trainer.export_hf and not exported_at(run_dir, trainer.max_steps)
+        merged = None
+        if lora is not None:  # adapter/ in PEFT format; with an export due, the merged weights for hf/
+            outputs.adapter, merged = save_adapter_outputs(
+                model, lora.peft_model, hf_config, lora.base, run_dir / ADAPTER_DIR, topology.rank, export_due
+            )
+        if export_due:
+            outputs.export = _export(config, model, hf_config, tokenizer, run_dir / "hf", topology, merged)
             if topology.is_main:
                 record_export(run_dir, trainer.max_steps, outputs.export)
             if preemption.agreed(group, device):  # the run is complete: the requeued run says so and stops
@@ -295,6 +364,16 @@ def train(config: FinetuneConfig, run_dir: Path, topology: Topology, device: tor
     return 0
 
 
+def _save_resolved_config(config: FinetuneConfig, run_dir: Path, hf_config: Any = None, tokenizer: Any = None) -> None:
+    """``resolved_config.yaml``: the validated config; with ``hf_config``, the model's real shape and tokenizer."""
+    plain = to_plain_dict(config)
+    if hf_config is not None and config.model.pretrained_path is not None:
+        plain["model"].update(model_shape(hf_config))  # the checkpoint's shape, not the unused size fields
+    if isinstance(tokenizer, HFTokenizer) and config.tokenizer.name_or_path is None:
+        plain["tokenizer"]["name_or_path"] = tokenizer.name  # the model's own tokenizer
+    OmegaConf.save(OmegaConf.create(plain), run_dir / "resolved_config.yaml")
+
+
 @dataclass
 class _Outputs:
     """Where a run's outputs are, for the end-of-run summary (``best``: ``(step, validation loss)``)."""
@@ -303,6 +382,7 @@ class _Outputs:
     checkpoint: Path | None
     best: tuple[int, float] | None
     export: Path | None = None
+    adapter: Path | None = None
 
     def places(self) -> dict[str, Path | None]:
         tensorboard = self.run_dir / "tensorboard"
@@ -313,38 +393,46 @@ class _Outputs:
             "log": self.run_dir / LOG_FILE,
             "checkpoint": self.checkpoint,
             "best checkpoint": best,
+            "LoRA adapter": self.adapter,
             "HF export": self.export,
             "tensorboard": tensorboard if tensorboard.is_dir() else None,
         }
 
 
 def _resume(
-    trainer: TrainerConfig,
+    config: FinetuneConfig,
+    fingerprint: dict[str, Any],
     ckpt_root: Path,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     topology: Topology,
     schedule: RowSchedule,
+    lora: LoraRun | None,
 ) -> int:
-    """Load the latest complete checkpoint when ``trainer.resume=auto``; return the step to continue from.
+    """Load the newest intact checkpoint when ``trainer.resume=auto``; return the step to continue from.
+
+    Changed optimizer settings are applied and logged, changed dp/cp logged; other changes are refused.
 
     Raises:
         InputError: ``trainer.max_steps`` is below the checkpoint's step (nothing to train, and its export
-            would not be the model asked for).
+            would not be the model asked for), or a setting changed that changes what the run trains on, or
+            a checkpoint of the other kind (LoRA vs full) or of another LoRA base.
     """
-    path = latest_checkpoint(ckpt_root) if trainer.resume == "auto" else None
+    trainer = config.trainer
+    path = newest_intact(ckpt_root, topology.rank) if trainer.resume == "auto" else None
     if path is None:
         return 0
-    step = read_trainer_state(path).step
-    if step > trainer.max_steps:
-        raise InputError(
-            f"trainer.max_steps={trainer.max_steps} but {path} is already complete at step {step}; raise "
-            f"trainer.max_steps above {step} to continue, or pass a new hydra.run.dir to train {trainer.max_steps} "
-            "steps from scratch"
-        )
-    state = load_checkpoint(path, model, optimizer, topology.rank)
+    recorded = read_trainer_state(path)
+    check_resume_step(trainer.max_steps, path, recorded.step)
+    with input_errors():  # a checkpoint of the other kind (LoRA vs full), or of another LoRA base
+        check_adapter_resume(path, lora.base if lora else None)
+    changes = compare_fingerprints(recorded.fingerprint, fingerprint, path, recorded.step)
+    state = load_checkpoint(path, model, optimizer, topology.rank, options=LOAD_OPTIONS if lora else None)
     scheduler.load_state_dict(state.scheduler)
+    apply_optim_settings(optimizer, scheduler, config.optim)
+    for change in changes:
+        logger.info("resume: %s", change)
     if state.rows_consumed != state.step * schedule.rows_per_step:
         logger.warning(
             "resuming with a different dp * grad_accum (%d rows/step now, %d before): the data order "
@@ -421,13 +509,22 @@ def _log_setup(
 
 
 def _export(
-    config: FinetuneConfig, model: torch.nn.Module, hf_config: Any, tokenizer: Any, out_dir: Path, topology: Topology
+    config: FinetuneConfig,
+    model: torch.nn.Module,
+    hf_config: Any,
+    tokenizer: Any,
+    out_dir: Path,
+    topology: Topology,
+    weights: dict[str, torch.Tensor] | None = None,
 ) -> Path | None:
-    """Collective: the HF export (model in its dtype, inference config, tokenizer); rank 0 returns its path."""
+    """Collective: the HF export (model in its dtype, inference config, tokenizer); rank 0 returns its path.
+
+    ``weights``: the full weights to write instead of ``model``'s (LoRA: merged on rank 0, ``{}`` elsewhere).
+    """
     pretrained = config.model.pretrained_path
     dtype = export_dtype(config.trainer.export_dtype, pretrained_dtype(pretrained) if pretrained else None)
     out_config = export_config(hf_config, dtype, tokenizer.eos_id, tokenizer.pad_id, built=pretrained is None)
-    path = export_hf(model, out_config, out_dir, topology.rank, dtype)
+    path = export_hf(model, out_config, out_dir, topology.rank, dtype, weights)
     if path is not None:
         if isinstance(tokenizer, HFTokenizer):
             tokenizer.save_pretrained(path)

@@ -23,7 +23,10 @@ import torch
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 
-from nemo_automodel.components.config.checks import check_attn_backend, check_paths, check_run_dir
+from nemo_automodel.components.adapters.lora import setup_lora
+from nemo_automodel.components.checkpoint.adapter import BASE_MODEL_FILE, BaseModel, check_resume
+from nemo_automodel.components.checkpoint.resume import check_resume_step, compare_fingerprints
+from nemo_automodel.components.config.overrides import check_override_keys
 from nemo_automodel.components.config.schema import DataConfig, ModelConfig, register_schema, to_finetune_config
 from nemo_automodel.components.datasets.loader import prepare_data
 from nemo_automodel.components.datasets.packing import pack_documents
@@ -42,10 +45,15 @@ from nemo_automodel.components.distributed.blockdiag_cp import (
     plan,
 )
 from nemo_automodel.components.distributed.blockdiag_cp.layout import doc_runs_from_lengths, make_shard_plan
-from nemo_automodel.components.distributed.parallel import check_shared_run_dir, resolve_topology
+from nemo_automodel.components.distributed.parallel import check_shared_run_dir, omp_num_threads, resolve_topology
 from nemo_automodel.components.launcher.env import first_slurm_host
+from nemo_automodel.components.launcher.run_lock import hold_run_dir
+from nemo_automodel.components.models.attention_features import attention_features
 from nemo_automodel.components.models.causal_lm import build_causal_lm
 from nemo_automodel.components.training.step import _check_cp_reached_attention
+from nemo_automodel.recipes import plan as recipe_plan
+from nemo_automodel.recipes.checks import check_attn_backend, check_paths, check_positions, check_run_dir
+from nemo_automodel.recipes.lora import check_quantize
 from tests.cases import cp_mesh
 from tests.recipe_helpers import CHAT_TEMPLATE, REPO, save_chat_tokenizer
 from tests.reference import doc_ids_from_lengths
@@ -106,6 +114,7 @@ BATCH: dict[str, Callable[[], Any]] = {
     "options-type": lambda: _build(_row(), options={"kv_exchange": "a2a"}),
     "options-overlap": lambda: CPOptions(overlap="yes"),
     "options-consensus": lambda: CPOptions(consensus="often"),
+    "options-retired-spelling": lambda: CPOptions(attn_backend="sdpa"),
 }
 
 
@@ -237,6 +246,16 @@ def _planner(*argv: str) -> None:
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            recipe_plan.main(list(argv))
+    except SystemExit as exc:
+        raise SystemExit(err.getvalue()) from exc
+
+
+def _core_planner(*argv: str) -> None:
+    """The core planner's command line (no recipe data pipeline); its usage error becomes ``SystemExit(<stderr>)``."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             plan.main(list(argv))
     except SystemExit as exc:
         raise SystemExit(err.getvalue()) from exc
@@ -254,14 +273,19 @@ CORE: dict[str, Callable[[], Any]] = {
     "mesh-group-size": lambda: make_cp_blockdiag_batch_and_ctx(_MismatchedMesh(), None, _row()),
     "ranks-disagree": _disagreeing_rank,
     "cp1-no-attention-modules": lambda: attach_cp1_packed_varlen_hooks(torch.nn.Linear(2, 2)),
-    "cp1-hooks-windowed-model": lambda: attach_cp1_packed_varlen_hooks(_windowed_model()),
+    "cp1-hooks-windowed-model": lambda: attach_cp1_packed_varlen_hooks(
+        _windowed_model(), attention_features=attention_features(_windowed_model().config).names()
+    ),
+    "cp1-hooks-no-features": lambda: attach_cp1_packed_varlen_hooks(_windowed_model()),
     "cp1-packed-kwargs": lambda: _packed_with(sliding_window=4),
     "cp1-packed-variant-passthrough": lambda: _packed_with(length=6, variant=AttentionVariant(softcap=30.0)),
     "plan-cp": lambda: _planner("--cp", "0", "--seq-len", "64", "--doc-lens", "8"),
     "plan-seq-len": lambda: _planner("--cp", "2", "--seq-len", "x", "--doc-lens", "8"),
     "plan-doc-lens": lambda: _planner("--cp", "2", "--seq-len", "64", "--doc-lens", "8,0"),
     "plan-doc-lens-too-long": lambda: _planner("--cp", "2", "--seq-len", "64", "--doc-lens", "60,8"),
+    "plan-data-core": lambda: _core_planner("--cp", "2", "--seq-len", "64", "--data", "data.jsonl"),
     "plan-data-missing": lambda: _planner("--cp", "2", "--seq-len", "64", "--data", "/nonexistent/data.jsonl"),
+    "plan-model-missing": lambda: _planner("--cp", "2", "--seq-len", "8", "--doc-lens", "8", "--model", "/nonexistent"),
     "plan-data-line": lambda: _planner_data('{"text": "abc"}\n[1, 2]\n'),
     "plan-lib-lengths": lambda: doc_runs_from_lengths([3, 0]),
     "plan-lib-total": lambda: doc_runs_from_lengths([5], 3),
@@ -324,6 +348,19 @@ def _files(*names: str, first: bool = False, **fields: Any) -> None:
         check_paths(to_finetune_config({"data": {"source": "text", "path": path, **fields}}))
 
 
+def _short_position_table() -> None:
+    from transformers import LlamaConfig
+
+    with tempfile.TemporaryDirectory() as tmp:
+        LlamaConfig(max_position_embeddings=64).save_pretrained(tmp)
+        check_positions(tmp, 128)
+
+
+def _locked_run_dir() -> None:
+    with tempfile.TemporaryDirectory() as tmp, hold_run_dir(Path(tmp)):
+        hold_run_dir(Path(tmp)).__enter__()
+
+
 def _used_run_dir() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "metrics.jsonl").write_text("{}\n")
@@ -384,6 +421,16 @@ def _packable(name: str, seq_len: int | None = None) -> None:
     check_packable_config(make_config(name), seq_len=seq_len)
 
 
+def _probe(name: str) -> None:
+    """The packing-isolation probe (cp=1, in process) on a tiny model of the table, loaded on our attention."""
+    from nemo_automodel.components.models.cp_attention import CP_ATTN_IMPLEMENTATION, register_cp_attention
+    from nemo_automodel.components.models.packing_probe import verify_packing_isolation
+    from tests.families import build_model
+
+    register_cp_attention()
+    verify_packing_isolation(build_model(name, CP_ATTN_IMPLEMENTATION).float())
+
+
 def _patch_sdpa_config(config: Any) -> None:
     from nemo_automodel.components.models.attention_features import check_attention_route
 
@@ -441,6 +488,7 @@ POSITIVE_FIELDS = (
     "dist.dp_size",
     "dist.pg_timeout_s",
     "dist.shutdown_timeout_s",
+    "dist.threads",
 )
 NON_NEGATIVE_FIELDS = ("optim.warmup_steps", "optim.grad_clip", "trainer.ckpt_every", "trainer.val_every")
 
@@ -452,7 +500,9 @@ def _run_dir_not_shared() -> None:
 
 
 RECIPE: dict[str, Callable[[], Any]] = {
-    "config-unknown-key": lambda: _compose("trainer.max_stepz=3"),
+    "config-unknown-key": lambda: check_override_keys(["+cp=blockdiag", "trainer.max_stepz=3"]),
+    "config-unknown-section": lambda: check_override_keys(["traner.max_steps=3"]),
+    "config-compose-unknown-key": lambda: _compose("trainer.max_stepz=3"),
     "config-wrong-type": lambda: _compose("trainer.max_steps=many"),
     "config-payload-unknown-key": lambda: to_finetune_config({"data": {"seq_length": 128}}),
     "config-cp-kv-exchange": _values("+cp=blockdiag", "cp.kv_exchange=ring"),
@@ -460,6 +510,8 @@ RECIPE: dict[str, Callable[[], Any]] = {
     "config-cp-layout": _values("+cp=blockdiag", "cp.layout=spiral"),
     "config-cp-size": _values("+cp=blockdiag", "cp.size=0"),
     "config-cp-consensus": _values("+cp=blockdiag", "cp.consensus=often"),
+    "config-cp-retired-spelling": _values("+cp=blockdiag", "cp.kv_exchange=neighbor"),
+    "config-cp-check-finite": _values("+cp=blockdiag", "cp.check_finite=maybe"),
     "config-seq-len-cp": _values("+cp=blockdiag", "data.seq_len=3"),
     "config-seq-len-min": _values("data.seq_len=1"),
     "config-seq-len-positions": _values("data.seq_len=8192"),
@@ -522,6 +574,13 @@ RECIPE: dict[str, Callable[[], Any]] = {
     "launch-dp-size": lambda: resolve_topology(world=2, rank=0, local_rank=0, cp_size=2, dp_size=2),
     "launch-run-dir-not-shared": _run_dir_not_shared,
     "launch-slurm-nodelist": lambda: first_slurm_host("[bad"),
+    "launch-run-dir-locked": _locked_run_dir,
+    "model-seq-len-positions": _short_position_table,
+    "resume-max-steps-below": lambda: check_resume_step(3, Path("/run/checkpoints/step_00000010"), 10),
+    "resume-changed-data": lambda: compare_fingerprints(
+        {"data.seq_len": 256, "optim.lr": 0.1}, {"data.seq_len": 128, "optim.lr": 0.2}, Path("/run/step_3"), 3
+    ),
+    "launch-omp-num-threads": lambda: omp_num_threads("four"),
     "model-vocabulary": _small_vocabulary_model,
     "model-attention-never-cp": _attention_never_reached,
     "model-attention-never-cp1": lambda: _attention_never_reached(cp=1, route="hf_interface"),
@@ -531,6 +590,8 @@ RECIPE: dict[str, Callable[[], Any]] = {
     "model-packing-bypass": lambda: _packable("falcon"),
     "model-packing-chunked": lambda: _packable("llama4_text", seq_len=5),
     "model-packing-temperature": lambda: _packable("llama4_text", seq_len=4),
+    "model-packing-leak": lambda: _probe("lfm2"),
+    "model-packing-probe-no-attention": lambda: _probe("bloom"),
     "model-patch-sdpa-window": _patch_sdpa_window,
     "model-patch-sdpa-softcap": lambda: _patch_sdpa_config(_gemma2_config()),
     "model-patch-sdpa-sinks": lambda: _patch_sdpa_config(_gpt_oss_config()),
@@ -541,7 +602,46 @@ RECIPE: dict[str, Callable[[], Any]] = {
     "attention-bad-window": lambda: _attention_call(sliding_window=0),
 }
 
-TRIGGERS: dict[str, Callable[[], Any]] = {**BATCH, **QKV, **KERNEL, **CORE, **RECIPE}
+_TINY_LLAMA = ("model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1")
+
+
+def _lora(*overrides: str) -> Any:
+    """``peft=lora`` on a tiny built Llama: the recipe's adapter set-up (no process group)."""
+    config = _config("peft=lora", *_TINY_LLAMA, *overrides)
+    model = build_causal_lm(config.model, 256, seed=0, activation_checkpointing=False)
+    return setup_lora(model, config.peft, "base")
+
+
+def _saved_adapter_mismatch() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        _lora("peft.r=4").save_pretrained(tmp)
+        _lora("peft.r=8", f"peft.adapter_path={tmp}")
+
+
+def _resume(saved: BaseModel | None, ours: BaseModel | None) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        if saved is not None:
+            (Path(tmp) / BASE_MODEL_FILE).write_text(json.dumps(saved.record()))
+        check_resume(Path(tmp), ours)
+
+
+_BASE_A, _BASE_B = BaseModel("/models/a", "a" * 64), BaseModel("/models/b", "b" * 64)
+LORA: dict[str, Callable[[], Any]] = {
+    "lora-target-unknown": lambda: _lora("peft.target_modules=[qproj]"),
+    "lora-target-not-linear": lambda: _lora("peft.target_modules=[mlp]"),
+    "lora-target-empty": _values("peft=lora", "peft.target_modules=[]"),
+    "lora-dropout": _values("peft=lora", "peft.dropout=1.0"),
+    "lora-without-peft": _values("peft.adapter_path=/adapters/a"),
+    "lora-quantize-value": _values("peft=lora", "peft.quantize=8bit"),
+    "lora-quantize-cpu": lambda: check_quantize(_config("peft=lora", "peft.quantize=4bit").peft, torch.device("cpu")),
+    "lora-adapter-path-empty": lambda: _lora(f"peft.adapter_path={tempfile.gettempdir()}"),
+    "lora-adapter-mismatch": _saved_adapter_mismatch,
+    "lora-resume-full-checkpoint": lambda: _resume(None, _BASE_A),
+    "lora-resume-without-peft": lambda: _resume(_BASE_A, None),
+    "lora-resume-other-base": lambda: _resume(_BASE_A, _BASE_B),
+}
+
+TRIGGERS: dict[str, Callable[[], Any]] = {**BATCH, **QKV, **KERNEL, **CORE, **RECIPE, **LORA}
 
 
 def _outcome(trigger_id: str) -> tuple[str | None, str]:

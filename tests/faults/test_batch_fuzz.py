@@ -26,8 +26,8 @@ from tests.reference import blockdiag_allowed, doc_ids_from_lengths
 FIELD_WORDS = (*SEQ_FIELDS, "attention_mask", "batch", "attn_backend", "kv_exchange", "layout", "cp_mesh")
 # Valid spellings (and the defaults) of each knob; one value in ten is a bad one.
 KNOB_VALUES = {
-    "attn_backend": (None, "default", "auto", "sdpa_varlen", "dense", "flash", "te", "fa3", "torch_varlen"),
-    "kv_exchange": (None, "", "auto", "halo", "a2a", "allgather", "all_to_all"),
+    "attn_backend": (None, "auto", "sdpa_varlen", "dense", "flash", "te", "fa3", "torch_varlen"),
+    "kv_exchange": (None, "auto", "halo", "a2a", "allgather", "all_to_all"),
     "layout": (None, "auto", "contiguous", "balanced", "zigzag"),
 }
 

@@ -6,8 +6,10 @@ launcher (which forwards them to every worker, as a scheduler does) or to one ra
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,22 +22,33 @@ from tests.recipe_helpers import REPO, TINY_OVERRIDES, read_losses, recipe_env
 
 INJECT = Path(__file__).parent / "inject"
 BASE = ["+cp=blockdiag", *TINY_OVERRIDES, "dist.shutdown_timeout_s=60"]
+RUN_TIMEOUT_S = 400  # a hang fails the test; a loaded 2-core machine takes ~1-3 min per run
 
 
 def _run(run_dir: Path, overrides: list[str], signal_at: dict | None = None) -> tuple[int, str]:
+    """Run the recipe in its own session, output to a file (a lingering worker cannot hold a pipe open)."""
     env = recipe_env()
     if signal_at is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(INJECT), env["PYTHONPATH"]])
         env["NEMO_TEST_SIGNAL"] = json.dumps(signal_at)
-    done = subprocess.run(
-        [sys.executable, str(REPO / "recipes" / "finetune.py"), *BASE, *overrides, f"hydra.run.dir={run_dir}"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    return done.returncode, done.stdout + done.stderr
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = run_dir.parent / f"{run_dir.name}-output-{len(list(run_dir.parent.glob(run_dir.name + '-output-*')))}.txt"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, str(REPO / "recipes" / "finetune.py"), *BASE, *overrides, f"hydra.run.dir={run_dir}"],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            code = proc.wait(timeout=RUN_TIMEOUT_S)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # whatever of the run is left (none when it ended well)
+            proc.wait()
+    return code, log.read_text(errors="replace")
 
 
 def _checkpoints(run_dir: Path) -> list[str]:
@@ -106,11 +119,11 @@ def test_a_second_signal_during_a_save_aborts_and_the_previous_checkpoint_resume
     args = ["trainer.max_steps=4", "trainer.ckpt_every=2", "trainer.export_hf=false"]
     code, out = _run(tmp_path, args, {"phase": "save", "step": 4, "rank": 1, "to": "self", "count": 2})
     assert code not in (0, EXIT_PREEMPTED), out[-4000:]
-    assert "second signal (SIGTERM): aborting" in out
+    assert "second signal (SIGTERM): aborting" in out, out[-6000:]
     assert "step_00000002" in _checkpoints(tmp_path) and "step_00000004" not in _checkpoints(tmp_path)
     code, out = _run(tmp_path, args)
     assert code == 0 and "(step 2)" in out, out[-4000:]
-    assert _checkpoints(tmp_path) == ["step_00000004"]
+    assert _checkpoints(tmp_path) == ["step_00000002", "step_00000004"]  # the dead save's temp dir is gone
 
 
 def test_max_steps_below_the_checkpoint_is_refused_with_the_way_out(tmp_path):

@@ -6,31 +6,38 @@ Layout under ``<run_dir>/checkpoints``::
         .metadata, *.distcp   model + optimizer (DCP, sharded: any world size can load the tensors)
         trainer_state.json    step, rows consumed, scheduler, topology
         rng_rank<r>.pt        python/numpy/torch RNG of rank r
-    .tmp-step_00000200/       a save in progress (ignored, removed by the next save)
-    .tmp-deleting-step_.../   an old checkpoint being deleted (ignored, removed by the next save)
+        manifest.json         size and SHA-256 of every other file (written last; ``manifest.py``)
+    .tmp-step_00000200/       a save in progress (ignored, removed by the next save or resume)
+    .tmp-deleting-step_.../   an old checkpoint being deleted (ignored, removed by the next save or resume)
+    damaged-step_00000300/    a checkpoint that failed verification on resume (kept to inspect)
 
 A save writes everything into the temp dir, waits for every rank, and rank 0
 renames it to ``step_<N>``; only then are checkpoints beyond ``keep`` deleted,
 each renamed aside before its files go. A crash mid-save therefore leaves the
 previous checkpoints untouched, every ``step_*`` directory is complete, and the
-latest complete checkpoint is simply the highest ``step_*`` directory.
+latest complete checkpoint is simply the highest ``step_*`` directory. A resume loads
+the newest one that passes verification (:func:`newest_intact`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
 import shutil
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from nemo_automodel.components.checkpoint.manifest import MANIFEST, damage, set_aside, write_manifest
 from nemo_automodel.components.training.rng import rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
@@ -42,7 +49,10 @@ _TMP_PREFIX = ".tmp-"
 
 @dataclass(frozen=True)
 class TrainerState:
-    """The non-tensor state of a checkpoint (``trainer_state.json``)."""
+    """The non-tensor state of a checkpoint (``trainer_state.json``).
+
+    ``fingerprint``: the run's settings a resume compares (``resume.run_fingerprint``; empty in older checkpoints).
+    """
 
     step: int
     rows_consumed: int
@@ -50,18 +60,51 @@ class TrainerState:
     world: int
     dp: int
     cp: int
+    fingerprint: dict[str, Any] = field(default_factory=dict)
 
 
 def checkpoint_dir(root: Path, step: int) -> Path:
     return root / f"{_PREFIX}{step:08d}"
 
 
-def latest_checkpoint(root: Path) -> Path | None:
-    """The complete checkpoint with the highest step under ``root`` (temp dirs never count)."""
+def _checkpoints(root: Path) -> list[Path]:
+    """Every ``step_*`` directory under ``root`` that is a checkpoint (trainer state or manifest), oldest first."""
     if not root.is_dir():
-        return None
-    done = [p for p in root.iterdir() if p.name.startswith(_PREFIX) and (p / TRAINER_STATE).is_file()]
-    return max(done, key=lambda p: int(p.name[len(_PREFIX) :]), default=None)
+        return []
+    done = [
+        p
+        for p in root.iterdir()
+        if p.name.startswith(_PREFIX) and ((p / TRAINER_STATE).is_file() or (p / MANIFEST).is_file())
+    ]
+    return sorted(done, key=lambda p: int(p.name[len(_PREFIX) :]))
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The checkpoint with the highest step under ``root`` (temp dirs never count; not verified)."""
+    found = _checkpoints(root)
+    return found[-1] if found else None
+
+
+def newest_intact(root: Path, rank: int) -> Path | None:
+    """Collective: the newest checkpoint under ``root`` that passes verification (``manifest.py``).
+
+    A damaged newer one is named with the failed check, moved aside by rank 0 and skipped with a warning.
+    Rank 0 also removes leftover temp dirs (the run-dir lock guarantees no live run owns them).
+    """
+    if rank == 0:
+        for stale in root.glob(f"{_TMP_PREFIX}*") if root.is_dir() else ():
+            shutil.rmtree(stale)
+    for path in reversed(_checkpoints(root)):
+        problem = damage(path)
+        if problem is None:
+            return path
+        if rank == 0:
+            aside = set_aside(path)
+            logger.warning(
+                "checkpoint %s is damaged: %s; moved aside to %s, trying the previous one", path, problem, aside
+            )
+        dist.barrier()  # every rank sees it moved before listing again
+    return None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -79,8 +122,15 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     keep: int,
     rank: int,
+    options: StateDictOptions | None = None,
+    records: dict[str, dict[str, Any]] | None = None,
 ) -> Path:
-    """Collective: save atomically (module docstring); return the final directory."""
+    """Collective: save atomically (module docstring); return the final directory.
+
+    Args:
+        options: What ``get_state_dict`` saves (LoRA: only the trainable adapters, ``checkpoint/adapter.py``).
+        records: Extra JSON files (name -> content) rank 0 writes into the checkpoint (LoRA: the base model).
+    """
     final = checkpoint_dir(root, state.step)
     tmp = root / f"{_TMP_PREFIX}{final.name}"
     if rank == 0:
@@ -89,12 +139,16 @@ def save_checkpoint(
             shutil.rmtree(stale)
         tmp.mkdir()
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
-    if rank == 0:
-        (tmp / TRAINER_STATE).write_text(json.dumps(asdict(state), indent=1))
+    with _disk_full_named(root):
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+        if rank == 0:
+            (tmp / TRAINER_STATE).write_text(json.dumps(asdict(state), indent=1))
+            for name, record in (records or {}).items():
+                (tmp / name).write_text(json.dumps(record, indent=1))
     dist.barrier()  # every rank's files are in tmp
+    write_manifest(tmp, rank)  # the last file: the rename below publishes the checkpoint with it
     if rank == 0:
         if final.exists():  # the same step saved again (e.g. preempted right after a periodic save)
             _remove(final)
@@ -103,6 +157,38 @@ def save_checkpoint(
         _prune(root, keep)
     dist.barrier()
     return final
+
+
+# Below this many free bytes after a failed write, the failure is taken to be a full disk: torch's zip
+# writer reports ENOSPC as "unexpected pos ..." without the errno.
+_NEARLY_FULL_BYTES = 1 << 20
+
+
+def _is_disk_full(exc: BaseException, root: Path) -> bool:
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        return shutil.disk_usage(root).free < _NEARLY_FULL_BYTES
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _disk_full_named(root: Path) -> Iterator[None]:
+    """Re-raise a write that failed on a full disk as ``OSError(ENOSPC, "no space left on <root>" ...)``."""
+    try:
+        yield
+    except Exception as exc:
+        if not _is_disk_full(exc, root):
+            raise
+        raise OSError(
+            errno.ENOSPC,
+            f"no space left on {root} while writing a checkpoint (the previous checkpoint is intact): free space "
+            "there, lower trainer.keep_checkpoints, or point hydra.run.dir at a larger file system",
+        ) from exc
 
 
 def _remove(path: Path) -> None:
@@ -121,11 +207,7 @@ def _remove(path: Path) -> None:
 
 
 def _prune(root: Path, keep: int) -> None:
-    done = sorted(
-        (p for p in root.iterdir() if p.name.startswith(_PREFIX) and (p / TRAINER_STATE).is_file()),
-        key=lambda p: int(p.name[len(_PREFIX) :]),
-    )
-    for old in done[:-keep]:
+    for old in _checkpoints(root)[:-keep]:
         _remove(old)
 
 
@@ -134,15 +216,24 @@ def read_trainer_state(path: Path) -> TrainerState:
     return TrainerState(**json.loads((path / TRAINER_STATE).read_text()))
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> TrainerState:
+def load_checkpoint(
+    path: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rank: int,
+    options: StateDictOptions | None = None,
+) -> TrainerState:
     """Collective: load model, optimizer and this rank's RNG from ``path``; return the trainer state.
 
-    The scheduler state is in the returned state (the caller owns the scheduler).
+    The scheduler state is in the returned state (the caller owns the scheduler). ``options``: as saved
+    (LoRA: ``checkpoint/adapter.py``).
     """
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state_dict = {"model": model_sd, "optim": optim_sd}
     dcp.load(state_dict, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"])
+    set_state_dict(
+        model, optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"], options=options
+    )
     trainer_state = read_trainer_state(path)
     rng_file = path / f"rng_rank{rank}.pt"
     if rng_file.is_file():

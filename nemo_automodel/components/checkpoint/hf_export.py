@@ -66,14 +66,23 @@ def export_config(
 
 
 def export_hf(
-    model: torch.nn.Module, config: PretrainedConfig, out_dir: Path, rank: int, dtype: torch.dtype = torch.float32
+    model: torch.nn.Module,
+    config: PretrainedConfig,
+    out_dir: Path,
+    rank: int,
+    dtype: torch.dtype = torch.float32,
+    weights: dict[str, torch.Tensor] | None = None,
 ) -> Path | None:
     """Collective: gather full weights to rank 0's CPU; rank 0 writes ``out_dir`` (``dtype``) and returns it.
 
     Args:
         config: The export config (:func:`export_config`).
+        weights: The full weights to write instead of gathering ``model``'s (LoRA: the merged model on
+            rank 0, ``{}`` elsewhere); given on every rank or on none.
     """
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = weights
+    if full is None:
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank != 0:
         return None
     try:

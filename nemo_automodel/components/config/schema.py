@@ -10,18 +10,15 @@ when :func:`to_finetune_config` turns the composed ``DictConfig`` into dataclass
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass, make_dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
-from nemo_automodel.components.distributed.blockdiag_cp.state import (
-    normalize_attn_backend,
-    normalize_consensus,
-    normalize_kv_exchange,
-    normalize_layout,
-)
+from nemo_automodel.components.distributed.blockdiag_cp.cost import Shape
+from nemo_automodel.components.distributed.blockdiag_cp.options import CPOptions, config_node_fields
 
 # How the model's attention reaches block-diagonal CP:
 # - ``hf_interface``: a function registered in transformers' ``AttentionInterface``
@@ -34,6 +31,8 @@ DATA_SOURCES = ("synthetic", "text", "chat", "instruction")
 # Older spellings of a data source, stored canonical.
 DATA_SOURCE_ALIASES = {"jsonl": "text"}
 LONG_DOCUMENT_MODES = ("split", "truncate")
+# How documents are packed into rows (datasets.packing implements each).
+PACKING_ALGORITHMS = ("first_fit_decreasing", "first_fit_shuffle")
 # A chat / instruction row longer than data.seq_len: keep its leading turns up to the last whole assistant
 # turn that fits (else drop it), drop it, or stop with an error naming it.
 LONG_CONVERSATION_MODES = ("leading_turns", "drop", "error")
@@ -44,6 +43,10 @@ EXPORT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 RESUME_MODES = ("auto", "never")
 # What a step with NaN/Inf in attention inputs, loss or gradient norm does (every rank agrees).
 NONFINITE_POLICIES = ("stop", "skip")
+# Parameter-efficient fine-tuning: none (full fine-tuning) or LoRA adapters (Hugging Face peft).
+PEFT_METHODS = ("none", "lora")
+# Base weights of a LoRA run: as trained (none) or 4-bit (QLoRA: CUDA and bitsandbytes only).
+QUANTIZE_MODES = ("none", "4bit")
 
 
 def _require_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -155,8 +158,6 @@ class DataConfig:
     seed: int = 1234
 
     def __post_init__(self) -> None:
-        from nemo_automodel.components.datasets.packing import PACKING_ALGORITHMS
-
         self.source = DATA_SOURCE_ALIASES.get(self.source, self.source)
         _require_choice("data.source", self.source, DATA_SOURCES)
         _require_choice("data.packing_algorithm", self.packing_algorithm, PACKING_ALGORITHMS)
@@ -271,37 +272,34 @@ class TrainerConfig:
         _require_choice("trainer.export_dtype", self.export_dtype, EXPORT_DTYPES)
 
 
-@dataclass
-class CPConfig:
-    """Block-diagonal context parallelism (``+cp=blockdiag`` selects ``conf/cp/blockdiag.yaml``).
+def _cp_post_init(self: Any) -> None:
+    """Validate the ``cp`` node through :class:`CPOptions` and store every value canonical."""
+    _require_positive("cp.size", self.size)
+    try:
+        options = self.options()
+    except ValueError as exc:
+        raise ValueError(f"cp: {exc}") from None
+    for name, _, _ in config_node_fields():
+        setattr(self, name, getattr(options, name))
 
-    Attributes:
-        size: CP ranks per packed row (``1``: no CP; attention still block-diagonal).
-        attn_backend: Kernel, any spelling :func:`normalize_attn_backend` accepts (stored canonical).
-        kv_exchange: K/V exchange, any spelling :func:`normalize_kv_exchange` accepts (stored canonical).
-        layout: How tokens are placed on ranks, any spelling :func:`normalize_layout` accepts.
-        overlap: Attend local-key documents while the K/V exchange is in flight.
-        consensus: When kernel failures are agreed on: ``step`` (once per step, in the step's
-            all-reduce: no collective or host sync per layer) or ``call`` (after every CP attention
-            call and direction: names the failing call at once; for debugging).
-    """
 
-    size: int = 1
-    attn_backend: str = "auto"
-    kv_exchange: str = "auto"
-    layout: str = "auto"
-    overlap: bool = True
-    consensus: str = "step"
+def _cp_options(self: Any, attn_shape: Shape | None = None) -> CPOptions:
+    """The node as the core's frozen :class:`CPOptions` (``attn_shape``: the model's, for ``layout=auto``)."""
+    return CPOptions(**{name: getattr(self, name) for name, _, _ in config_node_fields()}, attn_shape=attn_shape)
 
-    def __post_init__(self) -> None:
-        _require_positive("cp.size", self.size)
-        try:
-            self.attn_backend = normalize_attn_backend(self.attn_backend)
-            self.kv_exchange = normalize_kv_exchange(self.kv_exchange)
-            self.layout = normalize_layout(self.layout)
-            self.consensus = normalize_consensus(self.consensus)
-        except ValueError as exc:
-            raise ValueError(f"cp: {exc}") from None
+
+# The Hydra ``cp`` node (``+cp=blockdiag`` selects ``conf/cp/blockdiag.yaml``): ``size`` (CP ranks per packed
+# row; 1: no CP, attention still block-diagonal) plus every config field of CPOptions, the one definition of
+# the CP settings, their types and defaults (generated: OmegaConf cannot read CPOptions' Literal types).
+CPConfig = make_dataclass(
+    "CPConfig",
+    [("size", int, field(default=1)), *config_node_fields()],
+    namespace={
+        "__post_init__": _cp_post_init,
+        "options": _cp_options,
+        "__doc__": "Block-diagonal CP: ``size`` plus the fields of :class:`CPOptions` (documented there).",
+    },
+)
 
 
 @dataclass
@@ -314,23 +312,72 @@ class DistConfig:
         master_port: Rendezvous port for local and Slurm launches (``None``: a free port / 29500).
         shutdown_timeout_s: After SIGTERM/SIGUSR1, how long the local launcher waits for workers to
             finish their step and checkpoint before killing them.
+        threads: Intra-op CPU threads per worker (``torch.set_num_threads``). ``None``: ``OMP_NUM_THREADS``
+            when set, else on CPU each worker's share of the cores (``cpu_count // local workers``), on CUDA
+            torch's default. The choice and its reason are logged.
     """
 
     dp_size: int | None = None
     pg_timeout_s: float = 300.0
     master_port: int | None = None
     shutdown_timeout_s: int = 300
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.dp_size is not None:
             _require_positive("dist.dp_size", self.dp_size)
         _require_positive("dist.pg_timeout_s", self.pg_timeout_s)
         _require_positive("dist.shutdown_timeout_s", self.shutdown_timeout_s)
+        if self.threads is not None:
+            _require_positive("dist.threads", self.threads)
+
+
+@dataclass
+class PeftConfig:
+    """Parameter-efficient fine-tuning (``peft=lora`` selects ``conf/peft/lora.yaml``); see docs/lora.md.
+
+    Attributes:
+        method: ``none`` (full fine-tuning) or ``lora`` (frozen base, trained LoRA adapters).
+        r: Adapter rank.
+        alpha: LoRA scaling numerator: updates are scaled by ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA).
+        dropout: Dropout on the adapters' input (each CP rank draws masks for its own tokens, so
+            ``dropout > 0`` does not reproduce ``cp = 1`` bitwise; ``0`` does).
+        target_modules: Leaf names of the linear layers to adapt (e.g. ``[q_proj, v_proj]``); ``None``: every
+            linear projection of attention and MLP in the decoder layers, resolved per model and logged.
+        use_dora: Weight-decomposed LoRA (DoRA).
+        use_rslora: Rank-stabilized scaling ``alpha / sqrt(r)``.
+        adapter_path: A saved PEFT adapter directory to continue training (its r, alpha and targets must
+            match this config).
+        quantize: ``none`` or ``4bit`` (QLoRA: the frozen base in 4 bits; needs CUDA and bitsandbytes).
+    """
+
+    method: str = "none"
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: list[str] | None = None
+    use_dora: bool = False
+    use_rslora: bool = False
+    adapter_path: str | None = None
+    quantize: str = "none"
+
+    def __post_init__(self) -> None:
+        _require_choice("peft.method", self.method, PEFT_METHODS)
+        _require_choice("peft.quantize", self.quantize, QUANTIZE_MODES)
+        _require_positive("peft.r", self.r)
+        _require_positive("peft.alpha", self.alpha)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"peft.dropout={self.dropout} must be in [0, 1)")
+        if self.target_modules is not None and not self.target_modules:
+            raise ValueError("peft.target_modules=[] adapts nothing; list module names or use null for the default")
+        if self.method == "none" and (self.adapter_path is not None or self.quantize != "none"):
+            name = "peft.adapter_path" if self.adapter_path is not None else "peft.quantize"
+            raise ValueError(f"{name} needs LoRA: add peft=lora to the command line")
 
 
 @dataclass
 class FinetuneConfig:
-    """The whole recipe (``conf/finetune.yaml`` picks the groups; ``cp`` is added with ``+cp=blockdiag``)."""
+    """The whole recipe (``conf/finetune.yaml`` picks the groups; ``+cp=blockdiag`` adds ``cp``, ``peft=lora`` LoRA)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
@@ -339,6 +386,7 @@ class FinetuneConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     cp: CPConfig = field(default_factory=CPConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
 
     def __post_init__(self) -> None:
         if self.model.pretrained_path is None and self.data.seq_len > self.model.max_position_embeddings:
@@ -373,6 +421,11 @@ class FinetuneConfig:
 ASSETS_ROOT = Path(__file__).resolve().parents[2] / "assets"
 
 
+def bf16_autocast(bf16: bool, device: torch.device) -> bool:
+    """Whether ``trainer.bf16`` turns autocast on for ``device`` (CUDA only; CPU trains in fp32)."""
+    return bf16 and device.type == "cuda"
+
+
 def register_schema() -> None:
     """Store :class:`FinetuneConfig` as ``finetune_schema`` (the first entry of ``conf/finetune.yaml``'s defaults).
 
@@ -395,11 +448,11 @@ def to_finetune_config(cfg: DictConfig | dict[str, Any]) -> FinetuneConfig:
     merged = OmegaConf.merge(OmegaConf.structured(FinetuneConfig), cfg)
     # A key added with Hydra's `+` (e.g. `+trainer.max_step=5`, Hydra's own hint for a typo) passes
     # composition and the merge above, since the section it lands in is typed; refuse it like a typo.
-    _reject_unknown_keys(OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else cfg)
+    reject_unknown_keys(OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else cfg)
     return OmegaConf.to_object(merged)
 
 
-def _reject_unknown_keys(values: Any, schema: type = FinetuneConfig, prefix: str = "") -> None:
+def reject_unknown_keys(values: Any, schema: type = FinetuneConfig, prefix: str = "") -> None:
     """Raise a ``ValueError`` naming the first key of ``values`` that ``schema`` (a dataclass) lacks."""
     if not isinstance(values, dict):
         return
@@ -411,7 +464,7 @@ def _reject_unknown_keys(values: Any, schema: type = FinetuneConfig, prefix: str
             where = f"of {prefix.rstrip('.')}" if prefix else "at the top level"
             raise ValueError(f"{prefix}{key}: unknown key{hint}; valid keys {where}: {', '.join(known)}")
         if not prefix and is_dataclass(_SECTIONS.get(key)):
-            _reject_unknown_keys(value, _SECTIONS[key], f"{key}.")
+            reject_unknown_keys(value, _SECTIONS[key], f"{key}.")
 
 
 _SECTIONS: dict[str, type] = {
@@ -422,6 +475,7 @@ _SECTIONS: dict[str, type] = {
     "trainer": TrainerConfig,
     "cp": CPConfig,
     "dist": DistConfig,
+    "peft": PeftConfig,
 }
 
 

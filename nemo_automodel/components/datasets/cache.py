@@ -32,8 +32,7 @@ import torch
 
 from nemo_automodel.components.config.errors import InputError
 from nemo_automodel.components.config.schema import DataConfig
-from nemo_automodel.components.datasets.loader import PackedData
-from nemo_automodel.components.datasets.packing import PackedRows
+from nemo_automodel.components.datasets.packing import PackedData, PackedRows
 from nemo_automodel.components.datasets.sources import resolve_files
 
 CACHE_VERSION = 1

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from nemo_automodel.components.config.schema import DataConfig
+from nemo_automodel.components.datasets.cache import DataCache
 from nemo_automodel.components.datasets.formats import (
     Document,
     FormatStats,
@@ -27,20 +28,11 @@ from nemo_automodel.components.datasets.formats import (
     record_to_document,
     with_eos,
 )
-from nemo_automodel.components.datasets.packing import PackedRows, pack_documents
+from nemo_automodel.components.datasets.packing import PackedData, PackedRows, pack_documents
 from nemo_automodel.components.datasets.sources import read_records, resolve_files
 from nemo_automodel.components.datasets.synthetic import synthetic_documents
 
 logger = logging.getLogger("nemo_automodel.finetune")
-
-
-@dataclass(frozen=True)
-class PackedData:
-    """Packed training rows, optional packed validation rows, and what conversion did (for the log)."""
-
-    train: PackedRows
-    validation: PackedRows | None
-    summary: str
 
 
 def eos_for(cfg: DataConfig, tokenizer: Any) -> int | None:
@@ -174,8 +166,6 @@ def load_data(cfg: DataConfig, tokenizer: Any, is_main: bool, store: Any) -> Pac
     """
     if cfg.source == "synthetic":
         return prepare_data(cfg, tokenizer)
-    from nemo_automodel.components.datasets.cache import DataCache
-
     return DataCache.for_config(cfg, tokenizer).load(
         lambda scratch: prepare_data(cfg, tokenizer, scratch), is_main, store
     )

@@ -1,4 +1,9 @@
-"""Pack tokenized documents into fixed-length rows with NeMo's first-fit packers.
+"""Pack tokenized documents into fixed-length rows: NeMo's first-fit packers, in O(n log n).
+
+The bins are exactly those of NeMo's ``first_fit_decreasing`` / ``first_fit_shuffle`` (same
+order of documents, same shuffle from numpy's global RNG seeded with ``data.seed``, same
+leftmost-bin rule), found with a max-tree over bin capacities instead of NeMo's scan of every
+bin (which re-sums each bin: quadratic; ``benchmarks/packing.py`` measures both).
 
 Every row carries what block-diagonal CP needs, all ``[N, S]``:
 
@@ -18,14 +23,12 @@ from collections import defaultdict, deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from types import ModuleType
 
 import numpy as np
 import torch
 
 from nemo_automodel.components.datasets.formats import Document
 
-PACKING_ALGORITHMS = ("first_fit_decreasing", "first_fit_shuffle")
 IGNORE_INDEX = -100
 
 
@@ -51,6 +54,15 @@ class PackedRows:
         }
 
 
+@dataclass(frozen=True)
+class PackedData:
+    """Packed training rows, optional packed validation rows, and what conversion did (for the log)."""
+
+    train: PackedRows
+    validation: PackedRows | None
+    summary: str
+
+
 def _chunk(doc: Document, start: int, end: int) -> Document:
     return Document(doc.ids[start:end], None if doc.targets is None else doc.targets[start:end])
 
@@ -69,7 +81,7 @@ def fit_to_row(documents: Sequence[Document], seq_len: int, long_documents: str)
 
 @contextmanager
 def _numpy_global_seed(seed: int) -> Iterator[None]:
-    """NeMo's ``first_fit_shuffle`` draws from numpy's global RNG: seed it, then restore the caller's state."""
+    """NeMo's ``first_fit_shuffle`` draws from numpy's global RNG: seed it (as it did), then restore the caller's."""
     saved = np.random.get_state()
     np.random.seed(seed)
     try:
@@ -78,29 +90,57 @@ def _numpy_global_seed(seed: int) -> Iterator[None]:
         np.random.set_state(saved)
 
 
-def _nemo_packing_utils() -> ModuleType:
-    """``nemo.utils.sequence_packing_utils``, imported only where packing happens (importing NeMo takes seconds).
+def first_fit(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """First-fit bins of ``lengths`` (each at most ``capacity``), in input order: each length goes to the leftmost
+    bin with room, else to a new bin. ``O(n log n)``: a max-tree over the remaining capacity of ``n`` potential
+    bins (unopened bins hold ``capacity``, so the leftmost fit is a new bin exactly when no open bin has room).
 
-    Importing ``nemo.utils`` also reroutes every Python warning of the process
-    through NeMo's logger; Python's own warning display is put back.
+    Returns:
+        Each bin's lengths in insertion order (NeMo's ``first_fit`` result, bin for bin).
     """
-    from nemo.utils import logging as nemo_logging
-    from nemo.utils import sequence_packing_utils
+    n = len(lengths)
+    size = 1 << max(n - 1, 0).bit_length()
+    tree = [0] * (2 * size)  # tree[size + b]: room left in bin b; tree[i]: max over i's leaves
+    tree[size : size + n] = [capacity] * n
+    for i in range(size - 1, 0, -1):
+        tree[i] = max(tree[2 * i], tree[2 * i + 1])
+    bins: list[list[int]] = []
+    for length in lengths:
+        i = 1
+        while i < size:  # descend to the leftmost leaf with room
+            i = 2 * i if tree[2 * i] >= length else 2 * i + 1
+        b = i - size
+        if b == len(bins):
+            bins.append([])
+        bins[b].append(length)
+        tree[i] -= length
+        i >>= 1
+        while i:  # refresh the maxima above it, stopping where nothing changes
+            top = max(tree[2 * i], tree[2 * i + 1])
+            if tree[i] == top:
+                break
+            tree[i] = top
+            i >>= 1
+    return bins
 
-    nemo_logging.captureWarnings(False)
-    return sequence_packing_utils
+
+def pack_order(lengths: list[int], algorithm: str, seed: int) -> list[int]:
+    """The lengths in the order NeMo's packer feeds them to first fit (sorted down, or shuffled with ``seed``)."""
+    if algorithm == "first_fit_decreasing":
+        return sorted(lengths, reverse=True)
+    order = list(lengths)
+    with _numpy_global_seed(seed):
+        np.random.shuffle(order)
+    return order
 
 
 def assign_to_rows(lengths: list[int], seq_len: int, algorithm: str, seed: int) -> list[list[int]]:
-    """Document indices per row, from NeMo's packer.
+    """Document indices per row (the bins of NeMo's ``algorithm``, module docstring).
 
-    NeMo's packers return each bin as a list of *lengths*; documents of equal
-    length are interchangeable, so each length is mapped back to the next unused
-    document of that length (in corpus order, hence deterministic).
+    Bins hold *lengths*; documents of equal length are interchangeable, so each length is mapped back
+    to the next unused document of that length (in corpus order, hence deterministic).
     """
-    packer = getattr(_nemo_packing_utils(), algorithm)
-    with _numpy_global_seed(seed):
-        bins = packer(list(lengths), seq_len)
+    bins = first_fit(pack_order(lengths, algorithm, seed), seq_len)
     by_length: dict[int, deque[int]] = defaultdict(deque)
     for index, n in enumerate(lengths):
         by_length[n].append(index)

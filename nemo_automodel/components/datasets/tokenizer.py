@@ -135,7 +135,7 @@ def holds_tokenizer(directory: str | Path) -> bool:
 def build_tokenizer(cfg: TokenizerConfig, pretrained_path: str | None = None) -> ByteTokenizer | HFTokenizer:
     """The configured tokenizer, else the pretrained model's own, else bytes; logged by name.
 
-    Paths are checked before any process starts (:mod:`nemo_automodel.components.config.checks`).
+    Paths are checked before any process starts (:mod:`nemo_automodel.recipes.checks`).
     """
     if cfg.name_or_path is not None:
         tokenizer = HFTokenizer.load(cfg.name_or_path)

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from nemo_automodel.components.distributed.blockdiag_cp import topology as hosts
-from nemo_automodel.components.training.cpu_memory import fix_mmap_threshold
+from nemo_automodel.components.distributed.cpu_memory import fix_mmap_threshold
 
 logger = logging.getLogger(__name__)
 
@@ -68,20 +68,71 @@ def resolve_topology(world: int, rank: int, local_rank: int, cp_size: int, dp_si
     return Topology(world=world, rank=rank, local_rank=local_rank, dp=dp, cp=cp_size)
 
 
-def training_device(local_rank: int, local_world: int) -> torch.device:
-    """CUDA (this process's local GPU) when available, else CPU with this process's share of the cores.
-
-    Without the share every CPU worker would start one thread per core and the
-    ``local_world`` workers of a node would oversubscribe it several times over. On CPU the
-    allocator also returns freed tensor memory at once (:mod:`...training.cpu_memory`), so
-    peak memory per rank follows the rank's live tensors, which CP shards.
-    """
+def training_device(local_rank: int) -> torch.device:
+    """CUDA (this process's local GPU) when available, else CPU (threads: :func:`set_threads`)."""
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    fix_mmap_threshold()
+    fix_mmap_threshold()  # freed tensors leave RSS at once (components/distributed/cpu_memory.py)
     return torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    """Intra-op threads per worker and why: ``threads=None`` leaves torch's own default (CUDA, nothing set)."""
+
+    threads: int | None
+    reason: str
+
+
+def omp_num_threads(env: str | None) -> int | None:
+    """``OMP_NUM_THREADS`` as a number (``None``: unset or empty); torchrun sets it to 1 when it is unset.
+
+    Raises:
+        ValueError: set but not a positive integer (checked before any worker starts).
+    """
+    if env is None or not env.strip():
+        return None
+    if not env.strip().isdigit() or int(env) < 1:
+        raise ValueError(
+            f"OMP_NUM_THREADS={env!r} is not a positive integer; set it to the threads per worker "
+            "(e.g. OMP_NUM_THREADS=4), unset it, or set dist.threads"
+        )
+    return int(env)
+
+
+def choose_threads(
+    explicit: int | None, env: str | None, cpu_count: int, local_world: int, device_type: str
+) -> ThreadChoice:
+    """The threads per worker: ``dist.threads`` > ``OMP_NUM_THREADS`` > a CPU worker's share of the cores.
+
+    The share (``cpu_count // local_world``) keeps the ``local_world`` CPU workers of a node from starting one
+    thread per core each and oversubscribing it several times over; a user's setting is never overridden.
+
+    Raises:
+        ValueError: ``OMP_NUM_THREADS`` set but not a positive integer.
+    """
+    omp = omp_num_threads(env)
+    if explicit is not None:
+        ignored = f"; OMP_NUM_THREADS={omp} not used" if omp is not None and omp != explicit else ""
+        return ThreadChoice(explicit, f"dist.threads={explicit}{ignored}")
+    if omp is not None:
+        return ThreadChoice(omp, f"OMP_NUM_THREADS={omp} from the environment")
+    if device_type != "cpu":
+        return ThreadChoice(None, "torch's default (set dist.threads or OMP_NUM_THREADS to change)")
+    share = max(1, cpu_count // local_world)
+    return ThreadChoice(
+        share,
+        f"default: {cpu_count} cores // {local_world} local worker(s); set dist.threads or OMP_NUM_THREADS to change",
+    )
+
+
+def set_threads(explicit: int | None, local_world: int, device: torch.device) -> str:
+    """Apply :func:`choose_threads` to this process (``torch.set_num_threads``); return the line to log."""
+    choice = choose_threads(explicit, os.environ.get("OMP_NUM_THREADS"), os.cpu_count() or 1, local_world, device.type)
+    if choice.threads is not None:
+        torch.set_num_threads(choice.threads)
+    return f"{torch.get_num_threads()} intra-op threads per worker ({choice.reason})"
 
 
 def init_process_group(device: torch.device, pg_timeout_s: float) -> None:

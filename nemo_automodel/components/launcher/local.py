@@ -26,6 +26,7 @@ from typing import Any
 
 from nemo_automodel.components.config.errors import EXIT_INPUT_ERROR, log_to_files_only
 from nemo_automodel.components.config.schema import DistConfig
+from nemo_automodel.components.training.metrics import LOG_FILE
 from nemo_automodel.components.training.preemption import EXIT_PREEMPTED, preempted_marker_step
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,8 @@ def launch_local_workers(
             logger.error("stopped by the config or data error above (tracebacks: finetune.log in %s)", run_dir)
             log_to_files_only(logger.makeRecord(logger.name, logging.ERROR, __file__, 0, exc.format_msg(), (), None))
             return EXIT_INPUT_ERROR
-        logger.error("worker(s) failed:\n%s", exc.format_msg())
+        log_to_files_only(logger.makeRecord(logger.name, logging.ERROR, __file__, 0, exc.format_msg(), (), None))
+        logger.error("%s", worker_failure_line(exc, run_dir))
         return 1
     except SignalException as exc:
         if _preempted(run_dir, exc.sigval.name):
@@ -82,6 +84,22 @@ def launch_local_workers(
         logger.error("stopped by %s before the workers could checkpoint", exc.sigval.name)
         return 128 + int(exc.sigval)
     return max(results.values())
+
+
+def worker_failure_line(exc: Any, run_dir: Path) -> str:
+    """One line naming the first failed worker and how it ended (the elastic agent's report goes to the log file).
+
+    The workers' own errors are already on the console above it; torch's ``ChildFailedError`` report
+    repeats them as a long traceback table, which buried the line that mattered.
+    """
+    rank, failure = exc.get_first_failure()
+    how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
+    others = len(exc.failures) - 1
+    also = f" ({others} more worker(s) failed after it)" if others else ""
+    return (
+        f"error: worker rank {rank} {how}{also}; the workers' own messages are above, the launcher's full report "
+        f"is in {run_dir / LOG_FILE}"
+    )
 
 
 class _InputErrorExitToFiles(logging.Filter):

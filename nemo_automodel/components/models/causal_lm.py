@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedModel
 
 from nemo_automodel.components.config.schema import ModelConfig
+from nemo_automodel.components.distributed.blockdiag_cp import CPOptions
 from nemo_automodel.components.models.attention_features import check_attention_route
-from nemo_automodel.components.models.cp_attention import attn_implementation_for, register_cp_attention
+from nemo_automodel.components.models.cp_attention import (
+    attention_scope,
+    attn_implementation_for,
+    register_cp_attention,
+)
 from nemo_automodel.components.models.packing_guard import check_packable_config
+from nemo_automodel.components.models.packing_probe import verify_packing_isolation
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +37,27 @@ def llama_config(cfg: ModelConfig, vocab_size: int) -> LlamaConfig:
         tie_word_embeddings=False,
         use_cache=False,
     )
+
+
+def model_shape(config: PretrainedConfig) -> dict[str, int | float]:
+    """A loaded model's own values of :class:`ModelConfig`'s size fields (what ``resolved_config.yaml`` records).
+
+    The size fields configure a model built from config; with ``pretrained_path`` the checkpoint's
+    ``config.json`` decides the shape, so the record must show that shape, not the unused defaults. A field
+    the model's config does not have (another family's naming) is left out.
+    """
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    rope = getattr(text, "rope_parameters", None) or {}
+    values = {
+        "hidden_size": getattr(text, "hidden_size", None),
+        "num_layers": getattr(text, "num_hidden_layers", None),
+        "num_heads": getattr(text, "num_attention_heads", None),
+        "num_kv_heads": getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None),
+        "intermediate_size": getattr(text, "intermediate_size", None),
+        "rope_theta": rope.get("rope_theta", getattr(text, "rope_theta", None)) if isinstance(rope, dict) else None,
+        "max_position_embeddings": getattr(text, "max_position_embeddings", None),
+    }
+    return {k: v for k, v in values.items() if v is not None}
 
 
 def pretrained_dtype(path: str) -> torch.dtype | None:
@@ -57,6 +86,23 @@ def check_model_packable(config: PretrainedConfig, cfg: ModelConfig, seq_len: in
         "probe does not run; if the model mixes packed documents, training is silently wrong",
         name,
     )
+
+
+def probe_packing_at_start(
+    model: PreTrainedModel, cfg: ModelConfig, cp_mesh: DeviceMesh, options: CPOptions, seq_len: int
+) -> None:
+    """Collective over ``cp_mesh``, before step 1: the packing-isolation probe, unless ``model.verify_packing=false``.
+
+    ``model`` is on its training device and not yet sharded (identical on every rank).
+
+    Raises:
+        PackingLeakError: on every rank, when packed documents influence each other (a ``ValueError``).
+    """
+    if cfg.verify_packing:
+        scope = functools.partial(attention_scope, cfg.attention)
+        verify_packing_isolation(
+            model, cp_mesh, options=options, attention_scope=scope, route=cfg.attention, seq_len=seq_len
+        )
 
 
 def build_causal_lm(

@@ -151,8 +151,19 @@ def _tensorboard_writer(directory: Path) -> Any:
 LOG_FILE = "finetune.log"
 
 
+def quiet_progress_bars() -> None:
+    """Turn off the progress bars of transformers (loading and saving weights) and ``datasets`` in this process."""
+    import datasets
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+
+
 def configure_logging(rank: int, run_dir: Path | None = None) -> None:
-    """Rank 0 logs INFO (through tqdm), other ranks WARNING; keeps handlers a launcher (Hydra) installed.
+    """Rank 0 logs INFO (through tqdm) and shows progress bars; other ranks log WARNING and show none.
+
+    Keeps the handlers a launcher (Hydra) installed.
 
     Rank 0 also appends everything it logs to ``run_dir/finetune.log`` whatever started it: Hydra
     already writes there when rank 0 is the Hydra process (cp=1, torchrun, srun); a worker the
@@ -160,6 +171,8 @@ def configure_logging(rank: int, run_dir: Path | None = None) -> None:
     """
     root = logging.getLogger()
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    if rank != 0:  # one "Loading weights" bar per job, not one per rank
+        quiet_progress_bars()
     if not root.handlers:
         handler = TqdmLoggingHandler()
         handler.setFormatter(logging.Formatter(f"[%(asctime)s][rank{rank}][%(levelname)s] %(message)s", "%H:%M:%S"))

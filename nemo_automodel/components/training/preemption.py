@@ -66,7 +66,9 @@ class PreemptionFlag:
         if self._first_at is not None:
             if now - self._first_at >= SIGINT_REPEAT_S:
                 second = "second Ctrl-C" if signum == signal.SIGINT else f"second signal ({name})"
-                raise KeyboardInterrupt(f"{second}: aborting; the previous complete checkpoint is kept")
+                message = f"{second}: aborting; the previous complete checkpoint is kept"
+                logger.error("%s", message)  # said here: peers fail on the broken collective, naming no cause
+                raise KeyboardInterrupt(message)
             return  # the launcher's forwarded copy of the first signal
         self._first_at, self.signal_name = now, name
         logger.warning(

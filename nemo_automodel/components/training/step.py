@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from nemo_automodel.components.config.schema import CPConfig
+from nemo_automodel.components.config.schema import CPConfig, bf16_autocast
 from nemo_automodel.components.datasets.packing import IGNORE_INDEX
 from nemo_automodel.components.distributed.blockdiag_cp import (
     CPOptions,
@@ -99,11 +99,6 @@ class NonFiniteStepError(RuntimeError):
     """A step saw NaN/Inf and ``trainer.on_nonfinite=stop``; raised on every rank."""
 
 
-def bf16_autocast(bf16: bool, device: torch.device) -> bool:
-    """Whether ``trainer.bf16`` turns autocast on for ``device`` (CUDA only; CPU trains in fp32)."""
-    return bf16 and device.type == "cuda"
-
-
 def attention_shape(hf_config: Any, half_precision: bool) -> cost.Shape:
     """A Hugging Face config's attention shape: query heads, K/V heads, head dim, bytes per K/V element."""
     heads = hf_config.num_attention_heads
@@ -113,15 +108,8 @@ def attention_shape(hf_config: Any, half_precision: bool) -> cost.Shape:
 
 
 def cp_options(cp: CPConfig, attn_shape: cost.Shape | None) -> CPOptions:
-    """The recipe's CP knobs as the core's frozen options (built once per run, snapshotted into every step)."""
-    return CPOptions(
-        attn_backend=cp.attn_backend,
-        kv_exchange=cp.kv_exchange,
-        layout=cp.layout,
-        overlap=cp.overlap,
-        attn_shape=attn_shape,
-        consensus=cp.consensus,
-    )
+    """The recipe's ``cp`` node as the core's frozen options (built once per run, snapshotted into every row)."""
+    return cp.options(attn_shape)
 
 
 def _shard(setup: StepSetup, row: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:

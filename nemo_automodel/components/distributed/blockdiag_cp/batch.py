@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from nemo_automodel.components.distributed.blockdiag_cp import consensus, cost
+from nemo_automodel.components.distributed.blockdiag_cp import consensus, cost, topology
 from nemo_automodel.components.distributed.blockdiag_cp import state as state_module
 from nemo_automodel.components.distributed.blockdiag_cp.layout import (
     DocRuns,
@@ -294,6 +294,8 @@ def make_cp_blockdiag_batch_and_ctx(
             name, tensor, pad_len, fills.get(name, 0), row_offset, local_len, None if plan.is_identity else positions
         )
     step_state = _build_step_state(group, rank, doc_ids, plan, device, step_options)
+    if world > 1:  # the group's hosts, once per group and here (every rank builds its row), never in an attention call
+        topology.group_hosts(group)
 
     @contextlib.contextmanager
     def train_ctx(settle: bool = True) -> Iterator[StepState]:

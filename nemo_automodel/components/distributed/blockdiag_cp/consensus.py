@@ -1,15 +1,18 @@
 """Collective agreement: every rank takes the same path, and one rank's failure makes every rank raise.
 
-Three small collectives, each over the CP group:
+Over the CP group:
 
 - :func:`failed_ranks`: which ranks report a problem (one all-reduce of a ``[world]`` vector);
-- :func:`check_step_agreement`: once per step (and call shape), every rank compares
-  the step's configuration and document layout with every other rank's and all
-  raise the same error on a disagreement, before any path-dependent collective;
-- :class:`GuardedKernel`: runs a kernel so that an exception, forward or backward,
-  is recorded in the step's :class:`~.state.FailureLog` instead of unwinding one rank
-  alone; the rank continues with zeros, and :func:`settle_step` (once per step, or the
-  recipe's step all-reduce) makes every rank raise together, naming the failing ranks.
+- :func:`check_step_agreement`: at a packed row's first CP attention call, every rank
+  compares the row's settings, resolved kernel and path, document layout and q/k/v
+  shapes with every other rank's (one all-reduce of fingerprints) and all raise the
+  same error on a disagreement, before any path-dependent collective; later calls of
+  the row are not re-checked;
+- :class:`GuardedKernel` (no collective): runs a kernel so that an exception, forward or
+  backward, is recorded in the row's :class:`~.state.FailureLog` instead of unwinding one
+  rank alone; the rank continues with zeros, and :func:`settle_step` (once per step, or
+  folded into the recipe's step all-reduce) makes every rank raise together, naming the
+  failing ranks.
 """
 
 from __future__ import annotations

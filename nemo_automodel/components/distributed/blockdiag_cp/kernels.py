@@ -389,7 +389,7 @@ def blockdiag_attention(
         kernel: A concrete kernel name from :data:`KERNELS`.
         q: Local queries ``[1, Hq, L, D]``.
         k: Packed keys ``[1, Hkv, K, D]`` (``K == meta.kv_len``).
-        v: Packed values ``[1, Hkv, K, D]``.
+        v: Packed values ``[1, Hkv, K, Dv]`` (``Dv`` may differ from ``D``: MLA models).
         meta: This rank's :class:`VarlenMeta`.
         scale: Softmax scale (``None``: ``D ** -0.5``).
         dropout_p: Attention dropout probability.

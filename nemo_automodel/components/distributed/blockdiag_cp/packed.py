@@ -20,6 +20,7 @@ to torch's SDPA, so vision towers or unpacked attention are unaffected.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.hooks import RemovableHandle
 
-from nemo_automodel.components.distributed.blockdiag_cp import kernels
+from nemo_automodel.components.distributed.blockdiag_cp import kernels, options
 from nemo_automodel.components.distributed.blockdiag_cp import state as state_module
 from nemo_automodel.components.distributed.blockdiag_cp.layout import ShardPlan, doc_runs_from_ids, make_shard_plan
 from nemo_automodel.components.distributed.blockdiag_cp.metadata import VarlenMeta
@@ -73,7 +74,7 @@ def enable_cp1_packed_varlen(doc_ids: torch.Tensor, backend: str | None = None) 
         doc_ids: Document ids ``[S]`` or ``[1, S]`` (1-based, 0 = padding tail).
         backend: ``attn_backend`` (any synonym; ``None``: the configured value).
     """
-    requested = state_module.normalize_attn_backend(
+    requested = options.normalize_attn_backend(
         backend if backend is not None else state_module.cp_varlen_runtime_config()["attn_backend"]
     )
     plan = make_shard_plan(doc_runs_from_ids(doc_ids), 1)
@@ -182,47 +183,54 @@ def _restore(*_: Any) -> None:
     F.scaled_dot_product_attention = _SAVED_SDPA.pop()
 
 
-def _refuse_attention_features(model: torch.nn.Module) -> None:
-    """Refuse a transformers model whose attention has a window, soft-cap or sinks.
+def _refuse_attention_features(model: torch.nn.Module, attention_features: Collection[str] | None) -> None:
+    """Refuse a model whose attention has a window, soft-cap or sinks (``attention_features`` names them).
 
     Its stock-SDPA calls carry a window only in the mask, which the armed row
     replaces with the document mask, and soft-cap or sinks not at all: they would
-    be silently dropped. Models without a transformers config are not checked.
+    be silently dropped. A transformers model (a config with ``model_type``) must say
+    which features it has: the core does not read model configs.
     """
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "model_type"):
+    if attention_features is None:
+        config = getattr(model, "config", None)
+        if config is not None and hasattr(config, "model_type"):
+            raise ValueError(
+                "attach_cp1_packed_varlen_hooks: a transformers model must pass attention_features= (its sliding "
+                "windows, soft-cap and sinks, which stock SDPA calls cannot carry to the packed path): "
+                "attention_features=nemo_automodel.components.models.attention_features.attention_features("
+                "model.config).names()"
+            )
         return
-    # imported here: only transformers models have such a config (the core does not depend on the model code)
-    from nemo_automodel.components.models.attention_features import attention_features
-
-    features = attention_features(config).names()
-    if features:
+    if attention_features:
         raise ValueError(
-            f"attach_cp1_packed_varlen_hooks: the model asks for {', '.join(features)}, which its stock SDPA calls "
-            "cannot carry to the packed path (it would silently compute plain causal attention); load it with "
-            "attn_implementation='cp_blockdiag' (cp_attention.register_cp_attention(): variants are passed on) "
-            "and run it in a cp=1 step of make_cp_blockdiag_batch_and_ctx, as the recipe does"
+            f"attach_cp1_packed_varlen_hooks: the model asks for {', '.join(attention_features)}, which its stock "
+            "SDPA calls cannot carry to the packed path (it would silently compute plain causal attention); load it "
+            "with attn_implementation='cp_blockdiag' (cp_attention.register_cp_attention(): variants are passed "
+            "on) and run it in a cp=1 step of make_cp_blockdiag_batch_and_ctx, as the recipe does"
         )
 
 
 def attach_cp1_packed_varlen_hooks(
-    model: torch.nn.Module, *, attention_suffix: str = "self_attn"
+    model: torch.nn.Module, *, attention_suffix: str = "self_attn", attention_features: Collection[str] | None = None
 ) -> list[RemovableHandle]:
     """Scope :func:`packed_varlen_sdpa` to the forwards of the model's attention modules.
 
     Args:
         model: A model whose attention modules call ``F.scaled_dot_product_attention``.
         attention_suffix: Attention modules are those whose qualified name ends with this.
+        attention_features: The model's attention features that stock SDPA cannot carry (e.g.
+            ``models.attention_features.attention_features(model.config).names()``); required for
+            a transformers model, ``None`` for a plain module.
 
     Returns:
         The hook handles (call ``.remove()`` on each to detach).
 
     Raises:
-        ValueError: when no module name ends with ``attention_suffix``; when the model's
-            transformers config asks for sliding windows, soft-capping or sinks (see
+        ValueError: when no module name ends with ``attention_suffix``; when ``attention_features``
+            names a sliding window, soft-capping or sinks, or a transformers model passes none (see
             :func:`_refuse_attention_features`).
     """
-    _refuse_attention_features(model)
+    _refuse_attention_features(model, attention_features)
     handles: list[RemovableHandle] = []
     for name, module in model.named_modules():
         if name.endswith(attention_suffix):

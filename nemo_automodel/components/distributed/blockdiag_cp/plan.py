@@ -7,11 +7,12 @@ model, not two). Command line::
     python -m nemo_automodel.components.distributed.blockdiag_cp.plan --cp 8 --seq-len 131072 \\
         --doc-lens 30000,2000,1500 [--heads 32 --kv-heads 8 --head-dim 128 --dtype bf16 --device cuda] \\
         [--window 4096]
-    python -m nemo_automodel.components.distributed.blockdiag_cp.plan --cp 8 --seq-len 131072 \\
+    python -m nemo_automodel.recipes.plan --cp 8 --seq-len 131072 \\
         --data train.jsonl [--data-format text|chat|instruction] [--text-field text] \\
         [--tokenizer /local/hf_tokenizer_dir] [--rows 8]
 
-``--data`` builds the fine-tuning recipe's own packed rows: the same reading, formatting
+``--data`` (through :mod:`nemo_automodel.recipes.plan`, which has the same options) builds the fine-tuning
+recipe's own packed rows: the same reading, formatting
 (chat template, EOS after every document), tokenization and packing function
 (:func:`nemo_automodel.components.datasets.loader.prepare_data`, the recipe's defaults for
 packing algorithm and seed), so the plan describes the rows the recipe would train on.
@@ -28,9 +29,10 @@ from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import statistics
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from nemo_automodel.components.distributed.blockdiag_cp import cost
@@ -72,6 +74,10 @@ def plan_rows(
 ) -> list[PlanRow]:
     """Every layout x exchange for one row padded to a multiple of ``2 * cp``, for layers of ``window``."""
     runs = runs.padded_to(runs.total_len + (-runs.total_len) % (2 * cp))
+    layouts = tuple(layouts)
+    # `layout=auto` + `kv_exchange=auto` is one combination: the runtime's layout pick (judged on full-causal
+    # layers), then that layout's exchange pick for the calls of `window`; one `<-` row, not one per layout
+    auto_layout = cost.choose_layout(runs, cp, shape, machine).layout if set(layouts) == set(LAYOUTS) else None
     rows = []
     for layout in layouts:
         shard = make_shard_plan(runs, cp, layout)
@@ -92,7 +98,7 @@ def plan_rows(
                     bound_max=max(bounds),
                     bound_mean=statistics.fmean(bounds),
                     step_s=c.step_s,
-                    auto_pick=c.path == auto,
+                    auto_pick=c.path == auto and layout == (auto_layout or layout),
                 )
             )
     return rows
@@ -115,23 +121,56 @@ def format_table(rows: list[PlanRow]) -> str:
     return "\n".join(lines)
 
 
-def _recipe_rows(args: argparse.Namespace) -> list[list[int]]:
-    """Document lengths of the first ``--rows`` rows the recipe would pack from ``--data``.
+# The attention shape without a model: a typical large model's (Llama-3-8B-like).
+_DEFAULT_SHAPE = {"heads": 32, "kv_heads": 8, "head_dim": 128, "dtype": "bf16"}
+_CONFIG_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def model_attention_shape(model_dir: str) -> dict[str, int | str]:
+    """Heads, KV heads, head dim and dtype from a HF model dir's ``config.json`` (a multimodal one's text part).
 
     Raises:
-        ValueError: the recipe's own message for bad data.
+        ValueError: no readable ``config.json``, or one without ``num_attention_heads``.
     """
-    from nemo_automodel.components.config.schema import DataConfig, TokenizerConfig
-    from nemo_automodel.components.datasets.loader import prepare_data
-    from nemo_automodel.components.datasets.tokenizer import build_tokenizer
+    path = os.path.join(model_dir, "config.json")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--model {model_dir}: cannot read {path} ({exc}); pass a local HF model directory") from None
+    config = config.get("text_config") or config
+    heads = config.get("num_attention_heads")
+    if not isinstance(heads, int) or heads < 1:
+        raise ValueError(f"--model {model_dir}: {path} has no num_attention_heads; pass --heads/--kv-heads/--head-dim")
+    shape: dict[str, int | str] = {
+        "heads": heads,
+        "kv_heads": config.get("num_key_value_heads") or heads,
+        "head_dim": config.get("head_dim") or config["hidden_size"] // heads,
+    }
+    dtype = _CONFIG_DTYPES.get(str(config.get("dtype") or config.get("torch_dtype")))
+    if dtype is not None:
+        shape["dtype"] = dtype
+    return shape
 
-    cfg = DataConfig(source=args.data_format, path=args.data, text_field=args.text_field, seq_len=args.seq_len)
-    rows = prepare_data(cfg, build_tokenizer(TokenizerConfig(name_or_path=args.tokenizer))).train
-    lengths = []
-    for seq_ids in rows.seq_ids[: args.rows]:
-        _, counts = seq_ids[seq_ids > 0].unique_consecutive(return_counts=True)
-        lengths.append(counts.tolist())
-    return lengths
+
+def _fill_shape(args: argparse.Namespace) -> str:
+    """Fill ``args``' unset shape fields: explicit flags > ``--model`` (or ``--tokenizer``'s model) > defaults.
+
+    Returns:
+        Where the shape came from, for the header line.
+    """
+    model = args.model
+    if model is None and args.tokenizer and os.path.isfile(os.path.join(args.tokenizer, "config.json")):
+        model = args.tokenizer  # a model dir given as the tokenizer: plan with that model's shape
+    from_model = model_attention_shape(model) if model else {}
+    given = [name for name in _DEFAULT_SHAPE if getattr(args, name) is not None]
+    for name, default in _DEFAULT_SHAPE.items():
+        if getattr(args, name) is None:
+            setattr(args, name, from_model.get(name, default))
+    if not model:
+        return "defaults" if not given else f"--{', --'.join(n.replace('_', '-') for n in given)}, else defaults"
+    overridden = f"; {', '.join('--' + n.replace('_', '-') for n in given)} given" if given else ""
+    return f"{os.path.join(model, 'config.json')}{overridden}"
 
 
 def _positive_int(text: str) -> int:
@@ -150,10 +189,12 @@ def _doc_lengths(text: str) -> list[int]:
 
 
 def _average(tables: list[list[PlanRow]]) -> list[PlanRow]:
-    """Row-wise mean over several packed rows (auto marks the path chosen most often)."""
+    """Row-wise mean over several packed rows (auto marks the one combination chosen most often)."""
+    picks = [sum(r.auto_pick for r in group) for group in zip(*tables)]
+    most = max(range(len(picks)), key=lambda i: (picks[i], -i))  # ties: the first (contiguous, then halo)
     out = []
     for group in zip(*tables):
-        first = group[0]
+        first = group[0]  # the same layout and path in every table
         out.append(
             PlanRow(
                 layout=first.layout,
@@ -165,13 +206,18 @@ def _average(tables: list[list[PlanRow]]) -> list[PlanRow]:
                 bound_max=max(r.bound_max for r in group),
                 bound_mean=statistics.fmean(r.bound_mean for r in group),
                 step_s=statistics.fmean(r.step_s for r in group),
-                auto_pick=sum(r.auto_pick for r in group) * 2 >= len(group),
+                auto_pick=len(out) == most,
             )
         )
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
+# The recipe-side adapter of ``--data``: (parsed arguments) -> document lengths of each packed row.
+RowsFromData = Callable[[argparse.Namespace], list[list[int]]]
+
+
+def main(argv: list[str] | None = None, *, rows_from_data: RowsFromData | None = None) -> None:
+    """The command line; ``--data`` needs ``rows_from_data`` (the recipe's: :mod:`nemo_automodel.recipes.plan`)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cp", type=_positive_int, required=True, help="CP size")
     parser.add_argument("--seq-len", type=_positive_int, required=True, help="packed row length")
@@ -184,13 +230,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--text-field", default="text", help="the text field of --data-format text")
     parser.add_argument("--tokenizer", help="local Hugging Face tokenizer dir (default: bytes)")
     parser.add_argument("--rows", type=_positive_int, default=8, help="packed rows to evaluate from --data")
-    parser.add_argument("--heads", type=_positive_int, default=32)
-    parser.add_argument("--kv-heads", type=_positive_int, default=8)
-    parser.add_argument("--head-dim", type=_positive_int, default=128)
-    parser.add_argument("--dtype", default="bf16", choices=sorted(_DTYPE_BYTES))
+    parser.add_argument(
+        "--model",
+        help="local HF model dir: heads, KV heads, head dim and dtype from its config.json (default: --tokenizer's "
+        "dir when it has a config.json; else 32/8 heads of 128, bf16); --heads/--kv-heads/--head-dim/--dtype win",
+    )
+    parser.add_argument("--heads", type=_positive_int)
+    parser.add_argument("--kv-heads", type=_positive_int)
+    parser.add_argument("--head-dim", type=_positive_int)
+    parser.add_argument("--dtype", choices=sorted(_DTYPE_BYTES))
     parser.add_argument("--device", default="cuda", choices=sorted(cost.MACHINES))
     parser.add_argument("--window", type=_positive_int, help="sliding window of the layers to plan (default: full)")
     args = parser.parse_args(argv)
+    try:
+        source = _fill_shape(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     shape = cost.Shape(args.heads, args.kv_heads, args.head_dim, _DTYPE_BYTES[args.dtype])
     machine = cost.MACHINES[args.device]
     if args.doc_lens:
@@ -198,10 +253,12 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--doc-lens add up to {sum(args.doc_lens)} tokens, more than --seq-len {args.seq_len}")
         packed = [args.doc_lens]
     else:
+        if rows_from_data is None:
+            parser.error("--data reads the recipe's data: run python -m nemo_automodel.recipes.plan")
         if not os.path.exists(args.data) and not glob.glob(args.data):
             parser.error(f"--data {args.data}: no such file")
         try:
-            packed = _recipe_rows(args)
+            packed = rows_from_data(args)
         except ValueError as exc:
             parser.error(str(exc))
     tables = [
@@ -211,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"cp={args.cp} seq_len={args.seq_len} rows={len(tables)} docs/row={statistics.fmean(map(len, packed)):.1f} "
         f"heads={args.heads}/{args.kv_heads} head_dim={args.head_dim} dtype={args.dtype} device={args.device} "
-        f"window={args.window or 'full'}"
+        f"window={args.window or 'full'} (shape: {source})"
     )
     print(format_table(_average(tables)))
 

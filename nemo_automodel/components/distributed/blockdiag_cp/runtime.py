@@ -1,9 +1,10 @@
 """The SDPA entry point and the collective-safe path decisions.
 
 :func:`cp_blockdiag_sdpa` replaces ``torch.nn.functional.scaled_dot_product_attention``.
-Outside a step context it *is* stock SDPA. Inside one it exchanges K/V over the
-CP group and runs the local queries against them with a per-document causal
-mask rebuilt from the replicated document ids.
+Outside a row's context it *is* stock SDPA. Inside one it exchanges the needed K/V
+over the CP group and runs each attention group's local queries against its packed
+keys with a varlen kernel (per-document, bottom-right causal), from metadata built on
+the host out of the replicated shard plan (:mod:`.metadata`): no mask is built per call.
 
 Every rank must take the same path, or the group's collectives desynchronize
 and hang. Hence: the path is decided from replicated data (document ids, the
@@ -20,7 +21,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from nemo_automodel.components.distributed.blockdiag_cp import consensus, cost, exchange, kernels, topology
+from nemo_automodel.components.distributed.blockdiag_cp import consensus, cost, exchange, kernels, options, topology
 from nemo_automodel.components.distributed.blockdiag_cp import state as state_module
 from nemo_automodel.components.distributed.blockdiag_cp.consensus import CallRecorder, group_size
 from nemo_automodel.components.distributed.blockdiag_cp.exchange import ExchangeOp, KVPlan, Route
@@ -85,19 +85,19 @@ def reset_exchange_stats(state: StepState | None = None) -> None:
         state.stats.exchange_calls = 0
 
 
-def _cp_group_spans_nodes(group: dist.ProcessGroup | None) -> bool:
-    """True when the CP group's ranks run on more than one host (their real hostnames).
+def _cp_group_spans_nodes(group: dist.ProcessGroup | None, allow_cross_node: bool) -> bool:
+    """True when the CP group's ranks run on more than one host (their real hostnames) and that disables needed-only.
 
     Needed-only exchanges are point-to-point messages between any two CP ranks; those
     between nodes pay the inter-node link's latency and bandwidth, so they are disabled
-    (the reason logged once per process) and all-gather is used. ``NEMO_CP_ALLOW_XNODE=1`` forces ``False``.
+    (the reason logged once per process) and all-gather is used, unless ``allow_cross_node``
+    (``CPOptions.allow_cross_node``, from ``NEMO_CP_ALLOW_XNODE=1`` when the options were built).
     The hostnames are gathered once per group (:mod:`.topology`: at mesh build in the
     recipe, else at the first call, which every CP rank reaches at the same point).
     """
     where = topology.group_hosts(group)
     if not where.spans_nodes:
         return False
-    allowed = os.environ.get("NEMO_CP_ALLOW_XNODE") == "1"
     log_once(
         logger,
         "cp-group-spans-nodes",
@@ -105,11 +105,11 @@ def _cp_group_spans_nodes(group: dist.ProcessGroup | None) -> bool:
         "the CP group spans nodes (%s): %s",
         where.describe(),
         "NEMO_CP_ALLOW_XNODE=1 keeps needed-only K/V exchanges across nodes"
-        if allowed
+        if allow_cross_node
         else "needed-only K/V exchange disabled (its point-to-point messages between nodes would cross the "
         "inter-node link); using all-gather. Set NEMO_CP_ALLOW_XNODE=1 to force needed-only exchange across nodes.",
     )
-    return not allowed
+    return not allow_cross_node
 
 
 def _needed_only_kernel_succeeded_on_all_ranks(
@@ -138,8 +138,8 @@ def _resolve_cp_varlen_config(state: StepState | Mapping[str, Any]) -> tuple[str
     default = state_module.default_options()
     backend, kv_exchange = state.get("attn_backend"), state.get("kv_exchange")
     return (
-        default.attn_backend if backend is None else state_module.normalize_attn_backend(backend),
-        default.kv_exchange if kv_exchange is None else state_module.normalize_kv_exchange(kv_exchange),
+        default.attn_backend if backend is None else options.normalize_attn_backend(backend),
+        default.kv_exchange if kv_exchange is None else options.normalize_kv_exchange(kv_exchange),
     )
 
 
@@ -183,7 +183,7 @@ def _select_kv_exchange_path(
         return "allgather", None, "cp_size=1: nothing to exchange"
     if kv_exchange == "allgather":
         return "allgather", None, "kv_exchange=allgather (configured)"
-    if _cp_group_spans_nodes(group):
+    if _cp_group_spans_nodes(group, state.options.allow_cross_node):
         return "allgather", None, "CP group spans nodes (set NEMO_CP_ALLOW_XNODE=1 to force needed-only)"
     plan = _kv_plan(state, window, device)
     if kv_exchange == "auto":

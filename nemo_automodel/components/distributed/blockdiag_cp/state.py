@@ -1,21 +1,20 @@
-"""Runtime knobs, the typed per-step CP state, and its thread-shared slot.
+"""The typed state of a packed row under block-diagonal CP, its thread-shared slot, and the seed's process default.
 
-The knob tables live here, in a dependency-free leaf module, so the runtime,
-the batch builder and the recipe's config schema all derive the accepted values
-(and their synonyms) from one place and can never disagree.
+The settings themselves are defined once, in :mod:`.options`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
+
+from nemo_automodel.components.distributed.blockdiag_cp.options import CPOptions
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -23,155 +22,6 @@ if TYPE_CHECKING:
     from nemo_automodel.components.distributed.blockdiag_cp.cost import Shape
     from nemo_automodel.components.distributed.blockdiag_cp.layout import ShardPlan
     from nemo_automodel.components.distributed.blockdiag_cp.metadata import WindowPlan
-
-# Canonical value -> accepted spellings (the canonical value is one of them).
-ATTN_BACKEND_SYNONYMS: dict[str, tuple[str, ...]] = {
-    "auto": ("auto",),
-    "fa3": ("fa3", "flash_attn_3", "flash_attention_3", "flash3", "flashattention3", "flash_attn3", "fa_3"),
-    "flash": ("flash", "flash_attn", "flash_attention", "flash_attention_2", "fa", "fa2", "flash_varlen"),
-    "te": ("te", "transformer_engine", "transformerengine", "te_thd"),
-    "torch_varlen": ("torch_varlen", "varlen_attn", "torch_varlen_attn", "native_varlen", "nn_varlen"),
-    "sdpa_varlen": ("sdpa_varlen", "varlen", "cpu_varlen", "per_doc", "sdpa_per_doc"),
-    "dense": ("dense", "sdpa", "torch_sdpa", "masked_sdpa"),
-}
-KV_EXCHANGE_SYNONYMS: dict[str, tuple[str, ...]] = {
-    "auto": ("auto", "cost_model"),
-    "allgather": ("allgather", "all_gather", "ag"),
-    "halo": ("halo", "neighbor", "neighbour", "needed", "needed_only", "p2p"),
-    "a2a": ("a2a", "a2av", "all_to_all", "alltoall", "all_to_all_v", "needed_a2a"),
-}
-LAYOUT_SYNONYMS: dict[str, tuple[str, ...]] = {
-    "auto": ("auto", "cost_model"),
-    "contiguous": ("contiguous", "contig", "sequential", "chunked"),
-    "balanced": ("balanced", "zigzag", "zig_zag", "load_balanced"),
-}
-
-# attn_backend `auto` resolves per call to the fastest kernel available for the
-# dtype/device at hand (kernels.AUTO_PREFERENCE). kv_exchange `halo` is
-# needed-only and upgrades itself to `a2a` when some rank needs keys from beyond
-# its left neighbour; `auto` picks per step with the cost model (.cost).
-ATTN_BACKEND_DEFAULT = "auto"
-KV_EXCHANGE_DEFAULT = "halo"
-LAYOUT_DEFAULT = "contiguous"
-
-ATTN_BACKEND_VALUES: tuple[str, ...] = tuple(ATTN_BACKEND_SYNONYMS)
-KV_EXCHANGE_VALUES: tuple[str, ...] = tuple(KV_EXCHANGE_SYNONYMS)
-LAYOUT_VALUES: tuple[str, ...] = tuple(LAYOUT_SYNONYMS)
-
-_DEFAULT_SPELLINGS = ("", "default", "none")
-
-
-def _normalize(value: Any, field_name: str, synonyms: Mapping[str, tuple[str, ...]], default: str) -> str:
-    """Map a user-facing knob value onto its canonical spelling.
-
-    Raises:
-        ValueError: naming the field, the bad value and every accepted value.
-    """
-    if value is None:
-        return default
-    cleaned = str(value).strip().lower().replace("-", "_")
-    if cleaned in _DEFAULT_SPELLINGS:
-        return default
-    for canonical, spellings in synonyms.items():
-        if cleaned in spellings:
-            return canonical
-    accepted = "; ".join(
-        f"{canon} ({', '.join(s for s in spellings if s != canon) or 'no synonyms'})"
-        for canon, spellings in synonyms.items()
-    )
-    raise ValueError(
-        f"Unknown {field_name} {value!r}. Valid values: {', '.join(synonyms)} "
-        f"(synonyms: {accepted}); None, '' and 'default' select {default!r}."
-    )
-
-
-def normalize_attn_backend(value: Any) -> str:
-    """Canonicalize an ``attn_backend`` knob to one of :data:`ATTN_BACKEND_VALUES`."""
-    return _normalize(value, "attn_backend", ATTN_BACKEND_SYNONYMS, ATTN_BACKEND_DEFAULT)
-
-
-def normalize_kv_exchange(value: Any) -> str:
-    """Canonicalize a ``kv_exchange`` knob to one of :data:`KV_EXCHANGE_VALUES`."""
-    return _normalize(value, "kv_exchange", KV_EXCHANGE_SYNONYMS, KV_EXCHANGE_DEFAULT)
-
-
-def normalize_layout(value: Any) -> str:
-    """Canonicalize a ``layout`` knob to one of :data:`LAYOUT_VALUES`."""
-    return _normalize(value, "layout", LAYOUT_SYNONYMS, LAYOUT_DEFAULT)
-
-
-CONSENSUS_SYNONYMS: dict[str, tuple[str, ...]] = {
-    "step": ("step", "per_step", "deferred"),
-    "call": ("call", "per_call", "debug"),
-}
-# `step`: a kernel failure is recorded on its rank and settled once per step (no collective per call);
-# `call`: every CP attention call ends with a failure consensus (one all-reduce and host sync per call
-# and direction: for debugging, it names the failing call at once).
-CONSENSUS_DEFAULT = "step"
-CONSENSUS_VALUES: tuple[str, ...] = tuple(CONSENSUS_SYNONYMS)
-
-
-def normalize_consensus(value: Any) -> str:
-    """Canonicalize a ``consensus`` knob to one of :data:`CONSENSUS_VALUES`."""
-    return _normalize(value, "consensus", CONSENSUS_SYNONYMS, CONSENSUS_DEFAULT)
-
-
-def _require_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name}: expected True or False, got {value!r}")
-
-
-@dataclass(frozen=True)
-class CPOptions:
-    """Every block-diagonal CP knob of a step, validated and canonical.
-
-    Synonyms are parsed once, here; the object is frozen, so a step's knobs
-    cannot change under it. The batch builder snapshots one into each step state
-    and the runtime reads only that snapshot.
-
-    Attributes:
-        attn_backend: Kernel (``auto`` or a kernel name; any synonym).
-        kv_exchange: ``auto``, ``allgather``, ``halo`` or ``a2a`` (any synonym).
-        layout: ``auto``, ``contiguous`` or ``balanced`` (any synonym).
-        overlap: Attend local-key documents while the K/V exchange is in flight.
-        check_finite: Record, without a host sync, whether each call's q/k/v are finite.
-        attn_shape: The model's attention shape for ``layout=auto``'s cost model
-            (``cost.Shape``; ``None``: a generic 8 x 128 bf16 shape).
-        consensus: ``step`` (settle kernel failures once per step) or ``call`` (after
-            every call; debugging).
-    """
-
-    attn_backend: str = ATTN_BACKEND_DEFAULT
-    kv_exchange: str = KV_EXCHANGE_DEFAULT
-    layout: str = LAYOUT_DEFAULT
-    overlap: bool = True
-    check_finite: bool = True
-    attn_shape: Shape | None = None
-    consensus: str = CONSENSUS_DEFAULT
-
-    def __post_init__(self) -> None:
-        from nemo_automodel.components.distributed.blockdiag_cp.cost import Shape  # cost imports this leaf
-
-        canonical = {
-            "attn_backend": normalize_attn_backend(self.attn_backend),
-            "kv_exchange": normalize_kv_exchange(self.kv_exchange),
-            "layout": normalize_layout(self.layout),
-            "consensus": normalize_consensus(self.consensus),
-        }
-        for name, value in canonical.items():
-            object.__setattr__(self, name, value)
-        _require_bool("overlap", self.overlap)
-        _require_bool("check_finite", self.check_finite)
-        if self.attn_shape is not None and not isinstance(self.attn_shape, Shape):
-            raise ValueError(
-                f"attn_shape: expected blockdiag_cp.cost.Shape(heads, kv_heads, head_dim, elem_bytes) or None, "
-                f"got {type(self.attn_shape).__name__}"
-            )
-
-    def replace(self, **changes: Any) -> CPOptions:
-        """A copy with ``changes`` applied (validated like a new object)."""
-        return dataclasses.replace(self, **changes)
-
 
 _DEFAULT_OPTIONS = CPOptions()
 
@@ -192,8 +42,8 @@ def configure_cp_varlen(
     validated before anything changes, so a bad value leaves the previous default in place.
 
     Args:
-        attn_backend: Kernel name or synonym (``None``/``""``/``"default"`` -> ``auto``).
-        kv_exchange: Exchange name or synonym (``None``/``""``/``"default"`` -> ``halo``).
+        attn_backend: Kernel name or its upstream spelling (``None`` -> ``auto``).
+        kv_exchange: Exchange name or its upstream spelling (``None`` -> ``halo``).
         layout: ``contiguous``, ``balanced`` or ``auto`` (``None`` -> ``contiguous``).
         overlap: Compute local-key segments while the K/V exchange is in flight.
         check_finite: Record, without a host sync, whether every call's q/k/v are finite
@@ -201,7 +51,14 @@ def configure_cp_varlen(
         consensus: ``step`` (default) or ``call`` (see :class:`CPOptions`).
     """
     global _DEFAULT_OPTIONS
-    _DEFAULT_OPTIONS = CPOptions(attn_backend, kv_exchange, layout, overlap, check_finite, None, consensus)
+    _DEFAULT_OPTIONS = CPOptions(
+        attn_backend=attn_backend,
+        kv_exchange=kv_exchange,
+        layout=layout,
+        overlap=overlap,
+        check_finite=check_finite,
+        consensus=consensus,
+    )
 
 
 def default_options() -> CPOptions:

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import torch
 
-from nemo_automodel.components.config.schema import FinetuneConfig
+from nemo_automodel.components.config.schema import FinetuneConfig, bf16_autocast
 from nemo_automodel.components.datasets.sources import resolve_files
+from nemo_automodel.components.distributed.blockdiag_cp.kernels import kernel_unavailable_reason
 
 
 def check_paths(cfg: FinetuneConfig) -> None:
@@ -33,6 +34,25 @@ def check_paths(cfg: FinetuneConfig) -> None:
                 f"{field}={path}: no such directory; pass a local HF directory (save_pretrained output) - "
                 "models are never downloaded"
             )
+    if cfg.model.pretrained_path is not None:
+        check_positions(cfg.model.pretrained_path, cfg.data.seq_len)
+
+
+def check_positions(pretrained_path: str, seq_len: int) -> None:
+    """``data.seq_len`` must fit the pretrained model's position table (a document may fill a whole row).
+
+    Raises:
+        ValueError: naming both values and the fix.
+    """
+    from transformers import AutoConfig
+
+    limit = getattr(AutoConfig.from_pretrained(pretrained_path, local_files_only=True), "max_position_embeddings", None)
+    if limit is not None and seq_len > limit:
+        raise ValueError(
+            f"data.seq_len={seq_len} exceeds the max_position_embeddings={limit} of model.pretrained_path="
+            f"{pretrained_path}: a document filling a row would use positions the model never learned; lower "
+            f"data.seq_len to {limit} or less"
+        )
 
 
 def used_run_dir(run_dir: Path) -> bool:
@@ -56,9 +76,6 @@ def check_attn_backend(cfg: FinetuneConfig, device: torch.device) -> None:
     Raises:
         ValueError: naming the kernel, why it cannot run, and the fix.
     """
-    from nemo_automodel.components.distributed.blockdiag_cp.kernels import kernel_unavailable_reason
-    from nemo_automodel.components.training.step import bf16_autocast
-
     backend = cfg.cp.attn_backend
     if backend == "auto":
         return

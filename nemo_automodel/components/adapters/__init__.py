@@ -1,0 +1,1 @@
+"""Parameter-efficient fine-tuning (LoRA with Hugging Face ``peft``)."""
