@@ -8,15 +8,19 @@ workers and reports, side by side in one run:
   (forward and backward waits recorded in each step's CP state: what overlap did not hide, plus
   waits for a slower peer);
 - ``--scaling``: one row per step of ``--seq-lens`` tokens (long documents), cp=1 in one process
-  with 2 threads vs cp=2 in two processes with 1 thread each: tokens/s and peak RSS per rank,
-  and from a straight-line fit of peak RSS against the row length, the longest row that fits a
-  memory budget per rank for each (the long-row scaling of the metrics notes);
+  with 2 threads vs cp=2 in two processes with 1 thread each (``--cp cp1 cp2 cp4`` adds cp=4,
+  ``--ac off on`` activation checkpointing): tokens/s and peak RSS per rank, and from a
+  straight-line fit of peak RSS against the row length, the slope ratio and the longest row that
+  fits a memory budget per rank, against cp=1 with the same checkpointing; ``--census`` adds, per
+  phase (data path, forward, loss, backward, optimizer step) and category, the slope of the live
+  tensor bytes at the phase's peak (``memory_census.py``);
 - ``--syncs``: control collectives and host syncs of one training step with 1, 8 and 32
   decoder layers (counted with ``nemo_automodel.testing.syncs.count_syncs``), per exchange, and their
   growth per layer; ``consensus=call`` (the per-call agreement of earlier versions) side by side.
 
     python benchmarks/recipe_throughput.py --steps 25 --warmup 5
     python benchmarks/recipe_throughput.py --scaling --seq-lens 4096 8192 16384 32768 65536
+    python benchmarks/recipe_throughput.py --scaling --census --seq-lens 2048 4096 8192 --steps 2 --warmup 1
     python benchmarks/recipe_throughput.py --syncs
 """
 
@@ -34,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import memory_census  # this script's folder
 import torch
 import torch.multiprocessing as mp
 
@@ -69,7 +74,9 @@ def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _worker(rank: int, run: Run, port: int, payload: dict[str, Any], run_dir: str, warmup: int, syncs: bool) -> None:
+def _worker(
+    rank: int, run: Run, port: int, payload: dict[str, Any], run_dir: str, warmup: int, syncs: bool, census: bool
+) -> None:
     from nemo_automodel.recipes import finetune
 
     torch.set_num_threads(run.threads)
@@ -85,8 +92,15 @@ def _worker(rank: int, run: Run, port: int, payload: dict[str, Any], run_dir: st
     steps: list[dict[str, Any]] = []
     real_train_step = finetune.train_step
 
+    censused: dict[str, Any] = {}
+
     def measured_step(*args: Any, **kwargs: Any) -> Any:
         counting = syncs and len(steps) == warmup  # one counted step, after the warm-up
+        if census and len(steps) == warmup:  # the census step, after the warm-up (not timed)
+            marks = memory_census.PhaseMarks()
+            with memory_census.profiled() as prof, marks.installed(args[0]):
+                real_train_step(*args, **kwargs)
+            censused.update(memory_census.analyse(prof, marks.rss))
         with count_syncs() if counting else contextlib.nullcontext() as counts:
             began = time.perf_counter()
             result = real_train_step(*args, **kwargs)
@@ -111,6 +125,7 @@ def _worker(rank: int, run: Run, port: int, payload: dict[str, Any], run_dir: st
         "peak_rss_mib": _rss_mib(),
         "bare_rss_mib": bare_rss,
         "counted": measured[0] if syncs else None,
+        "census": censused or None,
     }
     Path(run_dir, f"bench{rank}.json").write_text(json.dumps(summary))
 
@@ -125,13 +140,24 @@ def _config(overrides: dict[str, Any], steps: int) -> dict[str, Any]:
     return to_plain_dict(cfg)
 
 
-def run(run: Run, steps: int, warmup: int, extra: dict[str, Any] | None = None, syncs: bool = False) -> dict:
-    """Run ``run`` (plus ``extra`` overrides) and return each rank's summary, slowest first."""
+def run(
+    run: Run,
+    steps: int,
+    warmup: int,
+    extra: dict[str, Any] | None = None,
+    syncs: bool = False,
+    census: bool = False,
+) -> dict:
+    """Run ``run`` (plus ``extra`` overrides) and return each rank's summary, slowest first.
+
+    ``census``: the first step after the warm-up runs twice, first untimed under the memory census
+    (``memory_census.py``).
+    """
     payload = _config({**run.overrides, **(extra or {})}, steps)
     with tempfile.TemporaryDirectory() as run_dir:
         mp.start_processes(
             _worker,
-            args=(run, free_port(), payload, run_dir, warmup, syncs),
+            args=(run, free_port(), payload, run_dir, warmup, syncs, census),
             nprocs=run.world,
             start_method="spawn",
         )
@@ -167,9 +193,11 @@ def _long_rows(seq_len: int) -> dict[str, Any]:
 
 
 SCALING = {
-    "cp1 (1 proc x 2 threads)": Run(1, 2, {"cp.size": 1}),
-    "cp2 (2 procs x 1 thread)": Run(2, 1, {"cp.size": 2, "cp.kv_exchange": "auto", "cp.layout": "auto"}),
+    "cp1": Run(1, 2, {"cp.size": 1}),
+    "cp2": Run(2, 1, {"cp.size": 2, "cp.kv_exchange": "auto", "cp.layout": "auto"}),
+    "cp4": Run(4, 1, {"cp.size": 4, "cp.kv_exchange": "auto", "cp.layout": "auto"}),
 }
+SCALING_THREADS = "cp1: 1 process x 2 threads; cp2: 2 processes x 1 thread; cp4: 4 processes x 1 thread"
 
 
 def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
@@ -181,33 +209,66 @@ def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
 
 
 def _scaling(args: argparse.Namespace) -> None:
-    table: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in SCALING}
+    """Peak RSS per rank against the row length for each of ``--cp`` (and ``--ac`` off/on), fits and ratios."""
+    runs = {
+        f"{cp}{' AC' if ac else ''}": (SCALING[cp], {"trainer.activation_checkpointing": ac})
+        for ac in args.ac
+        for cp in args.cp
+    }
+    table: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in runs}
     for seq_len in args.seq_lens:
-        for name, config in SCALING.items():
-            table[name][seq_len] = run(config, args.steps, args.warmup, _long_rows(seq_len))
-            r = table[name][seq_len]
+        for name, (config, extra) in runs.items():
+            r = run(config, args.steps, args.warmup, {**_long_rows(seq_len), **extra}, census=args.census)
+            table[name][seq_len] = r
             print(f"{name} seq_len={seq_len}: {r['tokens_per_s']:.0f} tokens/s, peak RSS {r['peak_rss_mib']:.0f} MiB")
-    print(f"\none row per step, default model, {args.steps} steps ({args.warmup} warm-up)")
-    print(f"{'seq_len':>8} | " + " | ".join(f"{n}: tokens/s, peak RSS MiB/rank" for n in SCALING) + " | tokens/s ratio")
-    names = list(SCALING)
+    print(f"\none row per step, default model, {args.steps} steps ({args.warmup} warm-up); {SCALING_THREADS}")
+    print(f"{'seq_len':>8} | " + " | ".join(f"{n}: tokens/s, peak RSS MiB/rank" for n in runs))
     for seq_len in args.seq_lens:
-        a, b = (table[n][seq_len] for n in names)
-        ratio = b["tokens_per_s"] / a["tokens_per_s"]
-        print(
-            f"{seq_len:>8} | {a['tokens_per_s']:.0f}, {a['peak_rss_mib']:.0f} | "
-            f"{b['tokens_per_s']:.0f}, {b['peak_rss_mib']:.0f} | {ratio:.2f}x"
-        )
-    fits = {n: _fit([(s, table[n][s]["peak_rss_mib"]) for s in args.seq_lens]) for n in names}
-    bare = {n: statistics.fmean(r["bare_rss_mib"] for s in args.seq_lens for r in table[n][s]["ranks"]) for n in names}
-    for n in names:
-        a, b = fits[n]
-        print(f"{n}: peak RSS ~ {a:.0f} MiB + {1024 * b:.1f} MiB per 1K tokens (bare process {bare[n]:.0f} MiB)")
-    for budget in args.budgets_mib:
-        longest = {n: (budget - fits[n][0]) / fits[n][1] for n in names}
-        print(
-            f"budget {budget} MiB/rank: longest row {longest[names[0]]:.0f} (cp1) vs {longest[names[1]]:.0f} (cp2)"
-            f" tokens: {longest[names[1]] / longest[names[0]]:.2f}x"
-        )
+        cells = (f"{table[n][seq_len]['tokens_per_s']:.0f}, {table[n][seq_len]['peak_rss_mib']:.0f}" for n in runs)
+        print(f"{seq_len:>8} | " + " | ".join(cells))
+    fits = {n: _fit([(s, table[n][s]["peak_rss_mib"]) for s in args.seq_lens]) for n in runs}
+    for n, (a, b) in fits.items():
+        bare = statistics.fmean(r["bare_rss_mib"] for s in args.seq_lens for r in table[n][s]["ranks"])
+        print(f"{n}: peak RSS ~ {a:.0f} MiB + {1024 * b:.1f} MiB per 1K tokens (bare process {bare:.0f} MiB)")
+    for n in runs:
+        base = "cp1 AC" if n.endswith(" AC") else "cp1"
+        if n == base or base not in fits:
+            continue
+        slope = fits[n][1] / fits[base][1]
+        longest = {b: (b - fits[n][0]) / fits[n][1] / ((b - fits[base][0]) / fits[base][1]) for b in args.budgets_mib}
+        rows = ", ".join(f"{b} MiB {x:.2f}x" for b, x in longest.items())
+        print(f"{n} vs {base}: slope {slope:.2f}x; longest row per rank budget: {rows}")
+    if args.census:
+        _census_table(table, args.seq_lens)
+
+
+def _census_table(table: dict[str, dict[int, dict[str, Any]]], seq_lens: list[int]) -> None:
+    """Per phase and category: the slope (MiB per 1K row tokens, the largest rank) of live tensor bytes at the
+    phase's peak, and RSS at the phase's start; one column per run."""
+    names = list(table)
+    print("\nmemory census: MiB per 1K row tokens at each phase's peak of live tensors (largest rank)")
+    print(f"{'phase':<10}{'category':<34}" + "".join(f"{n:>10}" for n in names))
+
+    def slope(name: str, value: Any) -> float:
+        points = [(s, max(value(r["census"]) for r in table[name][s]["ranks"]) / 2**20) for s in seq_lens]
+        return 1024 * _fit(points)[1]
+
+    for phase in memory_census.PHASES:
+        lines = {"all live tensors": lambda c, p=phase: c.get(p, {}).get("peak_bytes", 0)}
+        for bucket in memory_census.BUCKETS:
+            lines[bucket] = lambda c, p=phase, b=bucket: c.get(p, {}).get("buckets", {}).get(b, 0)
+        lines["RSS at phase start"] = lambda c, p=phase: c["rss_mib"].get(p, 0) * 2**20
+        for label, value in lines.items():
+            slopes = [slope(n, value) for n in names]
+            if any(abs(x) >= 0.05 for x in slopes):
+                print(f"{phase:<10}{label:<34}" + "".join(f"{x:>10.1f}" for x in slopes))
+    longest = seq_lens[-1]
+    for name in names:
+        ranks = [r["census"] for r in table[name][longest]["ranks"]]
+        census = max(ranks, key=lambda c: c.get("backward", {}).get("peak_bytes", 0))
+        print(f"\n{name}, {longest} tokens: largest creators at the backward peak (MiB, the largest rank)")
+        for creator, size in census.get("backward", {}).get("top", [])[:8]:
+            print(f"{size / 2**20:>10.1f}  {creator}")
 
 
 SYNC_RUNS = {
@@ -247,7 +308,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
-    parser.add_argument("--scaling", action="store_true", help="long-row scaling, cp=1 vs cp=2")
+    parser.add_argument("--scaling", action="store_true", help="long-row scaling, cp=1 vs cp=2 (and cp=4)")
+    parser.add_argument("--cp", nargs="+", default=["cp1", "cp2"], choices=list(SCALING), help="--scaling runs")
+    parser.add_argument(
+        "--ac", nargs="+", type=lambda v: v == "on", default=[False], help="--scaling: activation checkpointing off/on"
+    )
+    parser.add_argument("--census", action="store_true", help="--scaling: memory census per phase and category")
     parser.add_argument("--seq-lens", nargs="+", type=int, default=[4096, 8192, 16384, 32768, 65536])
     parser.add_argument("--budgets-mib", nargs="+", type=int, default=[2048, 4096, 8192])
     parser.add_argument("--syncs", action="store_true", help="control collectives and host syncs per layer")
