@@ -44,14 +44,15 @@ def test_exact_classes_are_not_refused(name):
     check_packable(build_model(name, cp_attention.CP_ATTN_IMPLEMENTATION), seq_len=ROW)
 
 
-def test_chunked_attention_and_temperature_are_accepted_on_rows_where_they_do_not_bite():
+def test_chunked_attention_is_accepted_on_hf_interface_and_the_temperature_where_it_does_not_bite():
     model = build_model("llama4_text", "eager")  # attention_chunk_size 4, floor_scale 4
     check_packable(model, seq_len=3)
     with pytest.raises(PackingUnsupportedError) as info:
-        check_packable(model, seq_len=4)  # a whole chunk, but the temperature's row index reaches floor_scale
+        check_packable(model, seq_len=40)  # chunks are exact on hf_interface; the temperature's row index bites
     assert "row-position scaling" in str(info.value) and "chunked attention" not in str(info.value)
-    with pytest.raises(PackingUnsupportedError, match=r"chunked attention .*exact with data\.seq_len <= 4"):
-        check_packable(model, seq_len=5)
+    check_packable(model, route="patch_sdpa", seq_len=3)
+    with pytest.raises(PackingUnsupportedError, match=r"chunked attention .*exact with model\.attention=hf_interface"):
+        check_packable(model, route="patch_sdpa", seq_len=5)  # stock SDPA never sees the chunks
 
 
 @pytest.mark.parametrize("cp", [2, 3])

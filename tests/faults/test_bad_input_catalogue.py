@@ -421,11 +421,11 @@ def _saved_lfm2() -> None:
         build_causal_lm(ModelConfig(pretrained_path=tmp), 256, seed=0, activation_checkpointing=False, seq_len=64)
 
 
-def _packable(name: str, seq_len: int | None = None) -> None:
+def _packable(name: str, seq_len: int | None = None, route: str = "hf_interface") -> None:
     from nemo_automodel.components.models.packing_guard import check_packable_config
     from tests.families import make_config
 
-    check_packable_config(make_config(name), seq_len=seq_len)
+    check_packable_config(make_config(name), route, seq_len)
 
 
 def _probe(name: str) -> None:
@@ -598,7 +598,7 @@ RECIPE: dict[str, Callable[[], Any]] = {
     "model-packing-state-space": lambda: _packable("qwen3_next"),
     "model-packing-alibi": lambda: _packable("bloom"),
     "model-packing-bypass": lambda: _packable("falcon"),
-    "model-packing-chunked": lambda: _packable("llama4_text", seq_len=5),
+    "model-packing-chunked": lambda: _packable("llama4_text", seq_len=5, route="eager"),
     "model-packing-temperature": lambda: _packable("llama4_text", seq_len=4),
     "model-packing-leak": lambda: _probe("lfm2"),
     "model-packing-probe-no-attention": lambda: _probe("bloom"),
