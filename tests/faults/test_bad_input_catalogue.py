@@ -472,6 +472,18 @@ def _attention_call(**kwargs: Any) -> Any:
     return cp_blockdiag_attention(_MistralLayer(), q, q, q, None, **kwargs)
 
 
+def _chunk_over_cache() -> Any:
+    """A Llama 4 chunked layer outside a CP step: 2 new queries over 4 keys (2 of them cached)."""
+    from nemo_automodel.components.models.cp_attention import cp_blockdiag_attention
+
+    layer = _MistralLayer()
+    layer.config = SimpleNamespace(
+        architectures=["Llama4ForCausalLM"], layer_types=[*["chunked_attention"] * 4], attention_chunk_size=8
+    )
+    q, kv = torch.zeros(1, 2, 2, 8), torch.zeros(1, 2, 4, 8)
+    return cp_blockdiag_attention(layer, q, kv, kv, None)
+
+
 def _attention_never_reached(cp: int = 2, route: str = "patch_sdpa") -> None:
     setup = SimpleNamespace(meshes=SimpleNamespace(cp=SimpleNamespace(size=lambda: cp)), attention=route)
     ctx, _, _ = make_cp_blockdiag_batch_and_ctx(None, None, _row())
@@ -610,6 +622,7 @@ RECIPE: dict[str, Callable[[], Any]] = {
     "attention-weights": lambda: _attention_call(output_attentions=True),
     "attention-packing-metadata": lambda: _attention_call(cu_seq_lens_q=torch.zeros(2, dtype=torch.int32)),
     "attention-bad-window": lambda: _attention_call(sliding_window=0),
+    "attention-chunk-over-cache": _chunk_over_cache,
 }
 
 _TINY_LLAMA = ("model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1")

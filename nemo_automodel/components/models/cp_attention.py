@@ -145,12 +145,13 @@ def explicit_attention(
     Returns:
         ``[B, Hq, Lq, Dv]``.
     """
+    # with a chunk there are no cached keys (cp_blockdiag_attention refuses them), so key 0 is position 0
     q_pos = torch.arange(key.shape[2] - query.shape[2], key.shape[2], device=query.device)[:, None]
     k_pos = torch.arange(key.shape[2], device=query.device)[None, :]
     allowed = k_pos <= q_pos
     if variant.window is not None:
         allowed = allowed & (k_pos > q_pos - variant.window)
-    if variant.chunk is not None:  # positions count from the first cached key, as transformers' chunked mask
+    if variant.chunk is not None:
         allowed = allowed & (k_pos // variant.chunk == q_pos // variant.chunk)
     bias = None
     if attention_mask is not None and attention_mask.dtype == torch.bool:
@@ -204,6 +205,13 @@ def cp_blockdiag_attention(
         ``(attn_output [B, L, Hq, Dv], None)``: no attention weights.
     """
     variant = attention_variant(module, kwargs)
+    if current_blockdiag_cp_state() is None and variant.chunk is not None and query.shape[2] != key.shape[2]:
+        raise ValueError(
+            f"cp_blockdiag attention ({variant.source}): attention_chunk_size={variant.chunk} over "
+            f"{key.shape[2] - query.shape[2]} cached keys: where the chunks start depends on the tokens' absolute "
+            "positions, which transformers passes neither to attention nor with its (possibly truncated) chunk "
+            "cache; generate with attn_implementation='eager' or 'sdpa' (cp_blockdiag computes full rows exactly)"
+        )
     if current_blockdiag_cp_state() is None and _needs_explicit(query, key, attention_mask, variant):
         out = explicit_attention(query, key, value, attention_mask, dropout, scaling, variant)
         return out.transpose(1, 2).contiguous(), None
