@@ -340,6 +340,21 @@ def _bad_utf8() -> None:
         prepare_data(DataConfig(source="text", path=str(path), seq_len=64, cache_dir=tmp), ByteTokenizer())
 
 
+# A JSON Lines file whose second line (61 bytes) is over data.max_record_bytes=32.
+BIG_RECORDS = '{"text": "a"}\n{"text": "%s"}\n' % ("x" * 49)
+
+
+def _big_parquet_row() -> None:
+    """A parquet file whose second row holds 40 bytes of text, over ``data.max_record_bytes=32``."""
+    import datasets
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "data.parquet"
+        datasets.Dataset.from_list([{"text": "a"}, {"text": "x" * 40}]).to_parquet(str(path))
+        cfg = DataConfig(source="text", path=str(path), seq_len=64, max_record_bytes=32, long_records="error")
+        prepare_data(cfg, ByteTokenizer())
+
+
 def _chat(*conversations: list[tuple[str, str]], tokenizer: Any = None, **fields: Any) -> None:
     """``data=chat`` over ``conversations`` (each ``[(role, content), ...]``) with the chat tokenizer."""
     lines = [json.dumps({"messages": [{"role": r, "content": c} for r, c in conv]}) for conv in conversations]
@@ -486,6 +501,7 @@ POSITIVE_FIELDS = (
     "model.num_kv_heads",
     "model.intermediate_size",
     "data.num_documents",
+    "data.max_record_bytes",
     "optim.lr",
     "optim.decay_steps",
     "trainer.max_steps",
@@ -538,6 +554,7 @@ RECIPE: dict[str, Callable[[], Any]] = {
     "config-data-loss-on": _values("data=chat", "data.loss_on=prompt"),
     "config-data-loss-on-text": _values("data=jsonl", "data.loss_on=answer"),
     "config-long-conversations": _values("data=chat", "data.long_conversations=wrap"),
+    "config-long-records": _values("data=jsonl", "data.long_records=skip"),
     "config-validation-fraction": _values("data.validation=1.5"),
     "config-validation-synthetic-path": _values("data.validation=/data/val.jsonl"),
     "config-val-every-without-validation": _values("trainer.val_every=10"),
@@ -554,6 +571,9 @@ RECIPE: dict[str, Callable[[], Any]] = {
     "data-jsonl-bad-utf8": _bad_utf8,
     "data-jsonl-duplicate-key": lambda: _jsonl('{"text": "a"}\n{"text": "b", "text": "c"}\n'),
     "data-jsonl-empty": lambda: _jsonl("\n\n"),
+    "data-record-too-large": lambda: _data(BIG_RECORDS, max_record_bytes=32, long_records="error"),
+    "data-record-too-large-row": _big_parquet_row,
+    "data-all-records-too-large": lambda: _data('{"text": "%s"}\n' % ("x" * 40), max_record_bytes=32),
     "data-all-empty": lambda: pack_documents([[], []], 8, "first_fit_decreasing", 0, 0),
     "path-data-mixed-formats": lambda: _files("a.jsonl", "b.parquet"),
     "path-data-split-missing": lambda: _files("train.jsonl", "test.jsonl", split="validation"),

@@ -58,18 +58,25 @@ class FormatStats:
     """What conversion did to the records, for the log (``data: ...``)."""
 
     records: int = 0
+    too_large: int = 0
+    too_large_rows: list[str] = field(default_factory=list)
     empty: int = 0
     cut: int = 0
     dropped: int = 0
     dropped_rows: list[str] = field(default_factory=list)
 
-    def summary(self, seq_len: int) -> str:
+    def summary(self, cfg: DataConfig) -> str:
         parts = [f"{self.records} records"]
+        if self.too_large:
+            parts.append(
+                f"{self.too_large} larger than data.max_record_bytes={cfg.max_record_bytes} (dropped, e.g. "
+                f"{', '.join(self.too_large_rows[:3])})"
+            )
         if self.empty:
             parts.append(f"{self.empty} empty (skipped)")
         if self.cut or self.dropped:
             parts.append(
-                f"{self.cut + self.dropped} longer than data.seq_len={seq_len}: {self.cut} cut to their leading "
+                f"{self.cut + self.dropped} longer than data.seq_len={cfg.seq_len}: {self.cut} cut to their leading "
                 f"turns, {self.dropped} dropped (no whole assistant turn fits)"
                 + (f", e.g. {', '.join(self.dropped_rows[:3])}" if self.dropped_rows else "")
             )

@@ -29,7 +29,7 @@ from nemo_automodel.components.datasets.formats import (
     with_eos,
 )
 from nemo_automodel.components.datasets.packing import PackedData, PackedRows, pack_documents
-from nemo_automodel.components.datasets.sources import read_records, resolve_files
+from nemo_automodel.components.datasets.sources import RecordLimit, read_records, resolve_files
 from nemo_automodel.components.datasets.synthetic import synthetic_documents
 
 logger = logging.getLogger("nemo_automodel.finetune")
@@ -48,9 +48,11 @@ def eos_for(cfg: DataConfig, tokenizer: Any) -> int | None:
 
 
 def to_documents(
-    cfg: DataConfig, records: Iterable[tuple[str, dict[str, Any]]], tokenizer: Any
+    cfg: DataConfig, records: Iterable[tuple[str, dict[str, Any] | None]], tokenizer: Any
 ) -> tuple[list[Document], FormatStats]:
     """Checked records as documents with EOS; chat/instruction rows fitted to ``seq_len`` per the policy.
+
+    A ``None`` record is one over ``data.max_record_bytes`` that was dropped unread (counted).
 
     Raises:
         ValueError: naming the row, for a record the format or the length policy rejects.
@@ -62,6 +64,11 @@ def to_documents(
     stats = FormatStats()
     for where, record in records:
         stats.records += 1
+        if record is None:
+            stats.too_large += 1
+            if len(stats.too_large_rows) < 3:
+                stats.too_large_rows.append(where)
+            continue
         try:
             doc = record_to_document(cfg, record, tokenizer)
         except ValueError as exc:
@@ -95,7 +102,8 @@ def _records(cfg: DataConfig, path: str, split: str | None, field: str, scratch:
     if cfg.source == "synthetic":
         return (("synthetic", {cfg.text_field: t}) for t in synthetic_documents(cfg))
     files = resolve_files(path, split, field)
-    return read_records(files, scratch, lambda record: check_record(cfg, record), field)
+    limit = RecordLimit(cfg.max_record_bytes, cfg.long_records)
+    return read_records(files, scratch, lambda record: check_record(cfg, record), limit, field)
 
 
 def _hold_out(docs: list[Document], fraction: float, seed: int) -> tuple[list[Document], list[Document]]:
@@ -113,9 +121,7 @@ def _hold_out(docs: list[Document], fraction: float, seed: int) -> tuple[list[Do
 def _require_documents(cfg: DataConfig, docs: list[Document], stats: FormatStats, what: str) -> None:
     """Say why nothing is left (e.g. every record too long) before anything else is done with no documents."""
     if not docs:
-        raise ValueError(
-            f"{what}: no documents left ({stats.summary(cfg.seq_len)}); raise data.seq_len or check the data"
-        )
+        raise ValueError(f"{what}: no documents left ({stats.summary(cfg)}); raise data.seq_len or check the data")
 
 
 def _pack(cfg: DataConfig, docs: list[Document], stats: FormatStats, tokenizer: Any, what: str) -> PackedRows:
@@ -153,11 +159,11 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, scratch: Path | None = None) -
             held, held_stats = to_documents(cfg, val_records, tokenizer)
     train = _pack(cfg, docs, stats, tokenizer, "data")
     validation = None if held is None else _pack(cfg, held, held_stats, tokenizer, "data.validation")
-    summary = f"{stats.summary(cfg.seq_len)}; {len(docs)} training documents"
+    summary = f"{stats.summary(cfg)}; {len(docs)} training documents"
     if held is not None:
         summary += f", {len(held)} validation documents"
         if held_stats is not stats:
-            summary += f" (validation file: {held_stats.summary(cfg.seq_len)})"
+            summary += f" (validation file: {held_stats.summary(cfg)})"
     return PackedData(train, validation, summary)
 
 
