@@ -361,6 +361,14 @@ def _chat(*conversations: list[tuple[str, str]], tokenizer: Any = None, **fields
     _data("\n".join(lines) + "\n", tokenizer or _chat_tokenizer(), **{"source": "chat", **fields})
 
 
+TOOL_CALL = {"type": "function", "function": {"name": "weather", "arguments": "{}"}}
+
+
+def _messages(*messages: dict[str, Any]) -> None:
+    """``data=chat`` over one conversation of raw ``messages`` with the chat tokenizer (no tool-call rendering)."""
+    _data(json.dumps({"messages": list(messages)}) + "\n", _chat_tokenizer(), source="chat")
+
+
 def _files(*names: str, first: bool = False, **fields: Any) -> None:
     """``check_paths`` on a directory holding ``names`` (one-row text files), or on its ``first`` file."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -555,6 +563,7 @@ RECIPE: dict[str, Callable[[], Any]] = {
     "config-data-loss-on-text": _values("data=jsonl", "data.loss_on=answer"),
     "config-long-conversations": _values("data=chat", "data.long_conversations=wrap"),
     "config-long-records": _values("data=jsonl", "data.long_records=skip"),
+    "config-empty-answers": _values("data=chat", "data.empty_answers=ignore"),
     "config-validation-fraction": _values("data.validation=1.5"),
     "config-validation-synthetic-path": _values("data.validation=/data/val.jsonl"),
     "config-val-every-without-validation": _values("trainer.val_every=10"),
@@ -587,6 +596,16 @@ RECIPE: dict[str, Callable[[], Any]] = {
     "data-chat-no-template": lambda: _chat(QA, tokenizer=_chat_tokenizer(template=None)),
     "data-chat-no-assistant": lambda: _chat([("user", "hi")]),
     "data-chat-not-incremental": lambda: _chat(QA, tokenizer=_chat_tokenizer(template=NOT_INCREMENTAL)),
+    "data-chat-tool-calls-unsupported": lambda: _messages(
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]}
+    ),
+    "data-chat-content-null": lambda: _messages(
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None}
+    ),
+    "data-chat-tool-calls-malformed": lambda: _messages(
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [{"name": "f"}]}
+    ),
+    "data-chat-empty-answer": lambda: _chat([("user", "hi"), ("assistant", "")], empty_answers="error"),
     "data-chat-too-long": lambda: _chat([("user", "x" * 80), ("assistant", "y")], long_conversations="error"),
     "data-chat-all-too-long": lambda: _chat([("user", "x" * 80), ("assistant", "y")]),
     "data-chat-all-too-long-held-out": lambda: _chat([("user", "x" * 80), ("assistant", "y")], validation="0.1"),

@@ -24,6 +24,7 @@ from nemo_automodel.components.datasets.formats import (
     Document,
     FormatStats,
     check_record,
+    empty_answers,
     fit_conversation,
     record_to_document,
     with_eos,
@@ -69,6 +70,8 @@ def to_documents(
             if len(stats.too_large_rows) < 3:
                 stats.too_large_rows.append(where)
             continue
+        if cfg.source == "chat":
+            _count_empty_answers(cfg, record[cfg.messages_field], where, stats)
         try:
             doc = record_to_document(cfg, record, tokenizer)
         except ValueError as exc:
@@ -95,7 +98,27 @@ def to_documents(
         else:
             stats.cut += 1
             docs.append(fitted)
+    if stats.empty_answers:
+        logger.warning(
+            "data: %d assistant answers are empty (e.g. %s): the model learns to end its turn there; fill them in "
+            "or remove them, or set data.empty_answers=error to refuse them",
+            stats.empty_answers,
+            ", ".join(stats.empty_answer_rows[:3]),
+        )
     return docs, stats
+
+
+def _count_empty_answers(cfg: DataConfig, messages: list[dict[str, Any]], where: str, stats: FormatStats) -> None:
+    """Count a conversation's empty assistant answers, or refuse the first under ``data.empty_answers=error``."""
+    empty = empty_answers(messages)
+    if empty and cfg.empty_answers == "error":
+        raise ValueError(
+            f"{where}: message {empty[0]} (assistant) is empty: the model would learn to end its turn at once; "
+            "fill it in or remove the row, or set data.empty_answers=warn to train on it"
+        )
+    stats.empty_answers += len(empty)
+    if empty and len(stats.empty_answer_rows) < 3:
+        stats.empty_answer_rows.append(where)
 
 
 def _records(cfg: DataConfig, path: str, split: str | None, field: str, scratch: Path):
