@@ -20,10 +20,11 @@ Every row carries what block-diagonal CP needs, all ``[N, S]``:
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain
+from typing import Any
 
 import numpy as np
 import torch
@@ -135,13 +136,18 @@ def pack_order(lengths: list[int], algorithm: str, seed: int) -> list[int]:
     return order
 
 
-def assign_to_rows(lengths: list[int], seq_len: int, algorithm: str, seed: int) -> list[list[int]]:
+def assign_to_rows(
+    lengths: list[int], seq_len: int, algorithm: str, seed: int, progress: Callable[[list[int]], Any] | None = None
+) -> list[list[int]]:
     """Document indices per row (the bins of NeMo's ``algorithm``, module docstring).
+
+    ``progress(order)`` may wrap the lengths fed to first fit (a sized iterable: a progress bar).
 
     Bins hold *lengths*; documents of equal length are interchangeable, so each length is mapped back
     to the next unused document of that length (in corpus order, hence deterministic).
     """
-    bins = first_fit(pack_order(lengths, algorithm, seed), seq_len)
+    order = pack_order(lengths, algorithm, seed)
+    bins = first_fit(order if progress is None else progress(order), seq_len)
     by_length: dict[int, deque[int]] = defaultdict(deque)
     for index, n in enumerate(lengths):
         by_length[n].append(index)
@@ -155,10 +161,11 @@ def pack_documents(
     pad_id: int,
     seed: int,
     long_documents: str = "split",
+    progress: Callable[[list[int]], Any] | None = None,
 ) -> PackedRows:
     """Pack documents (or plain token lists: every token a target) into ``[N, seq_len]`` rows.
 
-    See the module docstring for the fields.
+    See the module docstring for the fields; ``progress`` as in :func:`assign_to_rows`.
 
     Raises:
         ValueError: when no document has a token.
@@ -166,7 +173,7 @@ def pack_documents(
     docs = fit_to_row([d if isinstance(d, Document) else Document(list(d)) for d in documents], seq_len, long_documents)
     if not docs:
         raise ValueError("data: every document is empty after tokenization; nothing to train on")
-    rows = assign_to_rows([len(d.ids) for d in docs], seq_len, algorithm, seed)
+    rows = assign_to_rows([len(d.ids) for d in docs], seq_len, algorithm, seed, progress)
     return fill_rows(docs, rows, seq_len, pad_id)
 
 

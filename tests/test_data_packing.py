@@ -1,4 +1,4 @@
-"""The vectorized row fill of the packer gives exactly the rows of the per-document loop it replaced."""
+"""The packer's vectorized row fill gives exactly the rows of the per-document loop it replaced; data progress bars."""
 
 from __future__ import annotations
 
@@ -37,3 +37,26 @@ def test_the_vectorized_fill_is_bitwise_the_per_document_loop(algorithm, long_do
         for name, a, b in zip(("input_ids", "labels", "position_ids", "seq_ids"), got, expected):
             assert a.dtype == b.dtype and torch.equal(a, b), (name, n, seq_len)
         assert fill_rows(fitted, rows, seq_len, 7).input_ids.shape == (len(rows), seq_len)
+
+
+@pytest.mark.parametrize("show", [True, False])
+def test_data_phases_show_progress_bars_on_rank_0_only(tmp_path, monkeypatch, capsys, show):
+    """Bars appear once a phase runs longer than ``PROGRESS_AFTER_S`` (0 here), and only where ``show`` (rank 0)."""
+    from nemo_automodel.components.config.schema import DataConfig
+    from nemo_automodel.components.datasets import loader
+    from nemo_automodel.components.datasets.tokenizer import ByteTokenizer
+
+    monkeypatch.setattr(loader, "PROGRESS_AFTER_S", 0.0)
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(f'{{"text": "document {i}"}}\n' for i in range(50)))
+    loader.prepare_data(
+        DataConfig(source="text", path=str(path), seq_len=32, validation="0.1"), ByteTokenizer(), show=show
+    )
+    err = capsys.readouterr().err
+    for phase in (
+        "data: reading",
+        "data: rendering and tokenizing",
+        "data: packing data",
+        "data: packing data.validation",
+    ):
+        assert (phase in err) == show, (phase, err[-500:])
