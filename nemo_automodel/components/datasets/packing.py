@@ -73,6 +73,9 @@ def fit_to_row(documents: Sequence[Document], seq_len: int, long_documents: str)
     """Drop empty documents; ``split`` longer ones into ``seq_len`` chunks (each its own document) or ``truncate``."""
     fitted: list[Document] = []
     for doc in documents:
+        if len(doc.ids) <= seq_len:  # most documents: kept as they are (no copy)
+            fitted.extend([doc] if doc.ids else [])
+            continue
         if long_documents == "truncate":
             chunks = [_chunk(doc, 0, seq_len)]
         else:
