@@ -160,6 +160,7 @@ class Case:
     softcap: float | None = None
     sinks: bool = False  # learned sink logits [Hq] (a gradient is checked, summed over ranks)
     value_dim: int | None = None  # value head dim (None: head_dim); MLA models differ
+    chunks: tuple[int, ...] = ()  # one more call per attention chunk size (Llama 4's chunked layers)
 
     @property
     def label(self) -> str:
@@ -169,6 +170,7 @@ class Case:
                 "" if self.softcap is None else f"/softcap{self.softcap}",
                 "/sinks" if self.sinks else "",
                 "" if self.value_dim is None else f"/Dv{self.value_dim}",
+                "" if not self.chunks else f"/chunks{list(self.chunks)}",
             )
         )
         return (
@@ -177,8 +179,14 @@ class Case:
         )
 
     def variants(self, sinks: torch.Tensor | None) -> list[AttentionVariant]:
-        """The step's calls, one per window, sharing soft-cap and sinks."""
-        return [AttentionVariant(window=w, softcap=self.softcap, sinks=sinks) for w in self.windows]
+        """The step's calls, one per window then one per chunk, sharing soft-cap and sinks."""
+        windowed = [AttentionVariant(window=w, softcap=self.softcap, sinks=sinks) for w in self.windows]
+        return windowed + [AttentionVariant(chunk=c, softcap=self.softcap, sinks=sinks) for c in self.chunks]
+
+    @property
+    def masks(self) -> list[tuple[int | None, int | None]]:
+        """``(window, chunk)`` of each call of :meth:`variants`, in order."""
+        return [(w, None) for w in self.windows] + [(None, c) for c in self.chunks]
 
 
 def full_inputs(case: Case, padded_len: int) -> dict[str, torch.Tensor]:
@@ -248,8 +256,8 @@ def reference_for(case: Case, padded_len: int) -> dict[str, torch.Tensor]:
     q, k, v, sinks = (full[n].clone().requires_grad_() for n in ("q", "k", "v", "sinks"))
     ids = torch.nn.functional.pad(case.doc_ids, (0, padded_len - case.doc_ids.shape[1]))
     out = sum(
-        (i + 1) * reference_attention(q, k, v, ids, case.scale, w, case.softcap, sinks if case.sinks else None)
-        for i, w in enumerate(case.windows)
+        (i + 1) * reference_attention(q, k, v, ids, case.scale, w, case.softcap, sinks if case.sinks else None, c)
+        for i, (w, c) in enumerate(case.masks)
     )
     (out * full["gout"]).sum().backward()
     results = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
@@ -259,14 +267,19 @@ def reference_for(case: Case, padded_len: int) -> dict[str, torch.Tensor]:
 
 
 def expected_exchange(
-    doc_ids: torch.Tensor, positions: list[list[int]], kv_exchange: str, window: int | None = None
+    doc_ids: torch.Tensor,
+    positions: list[list[int]],
+    kv_exchange: str,
+    window: int | None = None,
+    chunk: int | None = None,
 ) -> tuple[str, list[int]]:
     """Brute-force path and per-rank received tokens, straight from the definitions in the metrics notes.
 
     ``positions[r]`` are the original positions of rank ``r``'s rows. A rank needs,
     for every real local query, the keys of its document up to that query (and,
-    with a sliding ``window``, no further back than ``window - 1`` keys); the
-    lower bound counts those living on other ranks.
+    with a sliding ``window``, no further back than ``window - 1`` keys; with a
+    ``chunk``, none before the query's chunk of its document); the lower bound
+    counts those living on other ranks.
     """
     padded_len = sum(len(p) for p in positions)
     ids = torch.nn.functional.pad(doc_ids, (0, padded_len - doc_ids.shape[1])).reshape(-1).tolist()
@@ -277,6 +290,8 @@ def expected_exchange(
     received, sources = [], []
     for r, rows in enumerate(positions):
         reach = (lambda p: first[ids[p]]) if window is None else (lambda p: max(first[ids[p]], p - window + 1))
+        if chunk is not None:
+            reach = lambda p: first[ids[p]] + (p - first[ids[p]]) // chunk * chunk  # noqa: E731
         needed = {k for p in rows if ids[p] for k in range(reach(p), p + 1)}
         remote = {k for k in needed if owner[k] != r}
         received.append(len(remote))
@@ -300,28 +315,29 @@ def compare(case: Case, results: list[dict[str, Any]], cp: int, tol: float = 1e-
         err = (got - want).abs().max().item()
         if not err <= tol:
             problems.append(f"{case.label}: {name} max error {err:.3g}")
-    for window in case.windows:
-        problems += _exchange_problems(case, [r["stats"]["windows"][window] for r in results], positions, window)
+    for window, chunk in case.masks:
+        stats = [r["stats"]["windows"][window] if chunk is None else r["stats"]["chunks"][chunk] for r in results]
+        problems += _exchange_problems(case, stats, positions, window, chunk)
     return problems
 
 
 def _exchange_problems(
-    case: Case, stats: list[dict[str, Any]], positions: list[list[int]], window: int | None
+    case: Case, stats: list[dict[str, Any]], positions: list[list[int]], window: int | None, chunk: int | None = None
 ) -> list[str]:
-    """Path, K/V received and reported lower bound of ``window``'s calls against the brute-force expectation."""
-    label = f"{case.label} window={window}"
+    """Path, K/V received and reported lower bound of one window's (or chunk's) calls against brute force."""
+    label = f"{case.label} window={window} chunk={chunk}"
     paths = {s["path"] for s in stats}
     requested = case.kv_exchange
     if requested == "auto":  # the cost model may pick any path that can deliver the keys; check that one
         requested = next(iter(paths)) if len(paths) == 1 else "a2a"
-    want_path, want_received = expected_exchange(case.doc_ids, positions, requested, window)
+    want_path, want_received = expected_exchange(case.doc_ids, positions, requested, window, chunk)
     problems = []
     if paths != {want_path}:
         problems.append(f"{label}: paths {paths}, expected {want_path}")
     received = [s["kv_tokens_received"] for s in stats]
     if received != want_received:
         problems.append(f"{label}: received {received}, expected {want_received}")
-    bound = expected_exchange(case.doc_ids, positions, "a2a", window)[1]
+    bound = expected_exchange(case.doc_ids, positions, "a2a", window, chunk)[1]
     reported = [s["kv_tokens_lower_bound"] for s in stats]
     if reported != bound:
         problems.append(f"{label}: reported lower bound {reported}, expected {bound}")

@@ -174,7 +174,8 @@ def _config(name: str, **kwargs: Any) -> Any:
 _MAMBA2 = {"mamba_n_heads": 4, "mamba_d_head": 16, "mamba_n_groups": 1, "mamba_d_state": 4, "mamba_chunk_size": 8}
 _MAMBA2 |= {"mamba_d_conv": 4, "mamba_expand": 2}
 _MOE = {"num_experts_per_tok": 1, "moe_intermediate_size": 16}
-# Llama 4 text with chunks and a NoPE temperature that bite on the 44-token row (chunk 4, floor_scale 4)...
+# Llama 4 text with chunks that bite on the 44-token row (chunk 4); its NoPE temperature bites too (floor_scale 4)
+# or not (floor_scale 64)...
 _LLAMA4 = {"head_dim": 8, "num_local_experts": 1, "num_experts_per_tok": 1, "intermediate_size_mlp": 64}
 _LLAMA4 |= {
     "no_rope_layers": [1, 0],
@@ -237,14 +238,15 @@ TABLE: dict[str, TableEntry] = {
         TableEntry(
             "llama4_text",
             lambda: _config("Llama4Text", **_LLAMA4, attention_chunk_size=4, floor_scale=4),
-            ("chunked attention", "row-position scaling"),
-            "chunks and the NoPE temperature bite on rows longer than attention_chunk_size / floor_scale",
+            ("row-position scaling",),
+            "the NoPE temperature bites on rows of floor_scale tokens or more",
         ),
         TableEntry(
-            "llama4_text_short_rows",
-            lambda: _config("Llama4Text", **_LLAMA4, attention_chunk_size=64, floor_scale=64),
+            "llama4_text_chunked",
+            lambda: _config("Llama4Text", **_LLAMA4, attention_chunk_size=4, floor_scale=64),
             (),
-            "chunked/full layers, NoPE temperature: exact on rows <= attention_chunk_size and < floor_scale",
+            "chunked/full layers (chunks of 4, shorter than the documents), NoPE temperature: exact on rows "
+            "< floor_scale",
         ),
         TableEntry(
             "jamba",

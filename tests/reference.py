@@ -7,13 +7,20 @@ from typing import Any
 import torch
 
 
-def blockdiag_allowed(doc_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
-    """``[S, S]`` bool: same real document, key position <= query position (and > query - ``window``)."""
+def blockdiag_allowed(doc_ids: torch.Tensor, window: int | None = None, chunk: int | None = None) -> torch.Tensor:
+    """``[S, S]`` bool: same real document, key position <= query position (and > query - ``window``).
+
+    With ``chunk``: also the same chunk of the document (position in the document ``// chunk``).
+    """
     ids = doc_ids.reshape(-1)
     pos = torch.arange(ids.numel(), device=ids.device)
     allowed = (ids[:, None] == ids[None, :]) & (pos[None, :] <= pos[:, None]) & (ids[:, None] > 0)
     if window is not None:
         allowed &= pos[None, :] > pos[:, None] - window
+    if chunk is not None:
+        first = torch.tensor([ids.tolist().index(d) for d in ids.tolist()], device=ids.device)
+        in_chunk = (pos - first) // chunk
+        allowed &= in_chunk[:, None] == in_chunk[None, :]
     return allowed
 
 
@@ -26,18 +33,19 @@ def reference_attention(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Explicit attention over the full row ``q [1, Hq, S, D]``, ``k [1, Hkv, S, D]``, ``v [1, Hkv, S, Dv]``.
 
     Written out term by term (not with the kernels' helpers): scores, the soft-cap
-    ``c * tanh(s / c)``, the document/window mask, then weights ``exp(s - m)``
+    ``c * tanh(s / c)``, the document/window/chunk mask, then weights ``exp(s - m)``
     normalized by their sum plus, with sinks ``[Hq]``, ``exp(sink - m)``.
     Rows of padding (doc id 0) are zero, as in every CP kernel.
     """
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    allowed = blockdiag_allowed(doc_ids, window)
+    allowed = blockdiag_allowed(doc_ids, window, chunk)
     scores = (q @ k.transpose(-1, -2)) * scale
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)

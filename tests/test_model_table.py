@@ -10,6 +10,7 @@ check (:func:`~nemo_automodel.components.models.packing_guard.check_packable`).
 from __future__ import annotations
 
 import pytest
+import torch
 
 from nemo_automodel.components.models import cp_attention
 from nemo_automodel.components.models.packing_guard import (
@@ -17,8 +18,8 @@ from nemo_automodel.components.models.packing_guard import (
     check_packable,
     check_packable_config,
 )
-from tests.families import DOC_LENGTHS, FAMILIES, TABLE, build_model, cp_run, make_config
-from tests.test_model_families import _problems
+from tests.families import DOC_LENGTHS, FAMILIES, TABLE, build_model, cp_run, make_config, packed_row
+from tests.test_model_families import REL_TOL, _problems, _rel_err
 
 _EXACT = [name for name, entry in TABLE.items() if not entry.refused]
 _REFUSED = [name for name, entry in TABLE.items() if entry.refused]
@@ -44,14 +45,15 @@ def test_exact_classes_are_not_refused(name):
     check_packable(build_model(name, cp_attention.CP_ATTN_IMPLEMENTATION), seq_len=ROW)
 
 
-def test_chunked_attention_and_temperature_are_accepted_on_rows_where_they_do_not_bite():
+def test_chunked_attention_is_accepted_on_hf_interface_and_the_temperature_where_it_does_not_bite():
     model = build_model("llama4_text", "eager")  # attention_chunk_size 4, floor_scale 4
     check_packable(model, seq_len=3)
     with pytest.raises(PackingUnsupportedError) as info:
-        check_packable(model, seq_len=4)  # a whole chunk, but the temperature's row index reaches floor_scale
+        check_packable(model, seq_len=40)  # chunks are exact on hf_interface; the temperature's row index bites
     assert "row-position scaling" in str(info.value) and "chunked attention" not in str(info.value)
-    with pytest.raises(PackingUnsupportedError, match=r"chunked attention .*exact with data\.seq_len <= 4"):
-        check_packable(model, seq_len=5)
+    check_packable(model, route="patch_sdpa", seq_len=3)
+    with pytest.raises(PackingUnsupportedError, match=r"chunked attention .*exact with model\.attention=hf_interface"):
+        check_packable(model, route="patch_sdpa", seq_len=5)  # stock SDPA never sees the chunks
 
 
 @pytest.mark.parametrize("cp", [2, 3])
@@ -62,6 +64,19 @@ def test_exact_class_matches_unpacked_eager(pools, name, cp):
     problems = _problems(name, results, cases)
     assert not problems["logits"], "\n".join(map(str, problems["logits"]))
     assert not problems["grads"], "\n".join(map(str, problems["grads"]))
+
+
+def test_chunked_layers_outside_a_step_are_exactly_eager_or_refused_over_a_cache():
+    """Eval of a 13-token row keeps the chunks of 4; a cached prefix (whose positions attention never sees) raises."""
+    cp_attention.register_cp_attention()
+    ids = packed_row((13,))["input_ids"]
+    with torch.no_grad():
+        want = build_model("llama4_text_chunked", "eager")(input_ids=ids).logits
+        model = build_model("llama4_text_chunked", cp_attention.CP_ATTN_IMPLEMENTATION)
+        assert _rel_err(model(input_ids=ids).logits, want) <= REL_TOL
+        cache = model(input_ids=ids[:, :9], use_cache=True).past_key_values
+        with pytest.raises(ValueError, match=r"Llama4ForCausalLM layer 0\): attention_chunk_size=4 over 3 cached"):
+            model(input_ids=ids[:, 9:], past_key_values=cache, use_cache=True)
 
 
 def test_verify_packing_false_skips_the_refusal_loudly(caplog):

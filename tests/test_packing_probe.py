@@ -23,7 +23,7 @@ _REFUSED = [n for n, e in TABLE.items() if e.refused]
 # Classes transformers cannot build (Falcon) or run (MPT) on "cp_blockdiag" run on their own attention code, as
 # model.attention=eager would (cp=1 only in the recipe; here at cp=2 the API's probe sees each shard alone).
 _OWN_ATTENTION = {name: ("eager", "eager") for name in ("falcon", "falcon_alibi", "mpt")}
-_ROW = sum(DOC_LENGTHS)  # llama4_text_short_rows is exact on rows of at most 64 tokens
+_ROW = sum(DOC_LENGTHS)  # llama4_text_chunked is exact on rows shorter than its floor_scale (64)
 
 
 def _model(name: str) -> tuple[torch.nn.Module, str]:
@@ -87,12 +87,13 @@ def test_refusal_names_the_cause_from_the_name_list_or_the_call_count():
         verify_packing_isolation(lfm2)
 
 
-def test_chunks_and_temperature_leak_on_rows_longer_than_they_allow():
-    """llama4_text_short_rows (chunk 64, floor_scale 64) is exact on 44-token rows, not on the default 96."""
-    model, _ = _model("llama4_text_short_rows")
+def test_temperature_leaks_on_rows_of_floor_scale_tokens_and_chunks_do_not():
+    """llama4_text_chunked (chunk 4, floor_scale 64): exact on 44-token rows, not on the default 96."""
+    model, _ = _model("llama4_text_chunked")
     verify_packing_isolation(model, seq_len=_ROW)
-    with pytest.raises(PackingLeakError, match=r"Llama4ForCausalLM leaks .*chunked attention"):
+    with pytest.raises(PackingLeakError, match=r"Llama4ForCausalLM leaks .*row-position scaling") as info:
         verify_packing_isolation(model)
+    assert "chunked attention" not in str(info.value)
 
 
 def test_probe_leaves_the_model_as_it_found_it():

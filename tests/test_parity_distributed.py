@@ -124,3 +124,22 @@ def test_gpu_kernels_compute_windows_and_softcaps_under_cp(pools, cp, backend):
         for i, (name, ex, lay) in enumerate(combos)
     ]
     _check(pools, cp, cases, fakes=True)
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_chunked_attention_matches_per_document_chunks(pools, cp):
+    """Chunked calls (Llama 4), mixed with a full one, on the CPU kernels and every GPU stand-in: exact against
+    per-document chunks, and needed-only receives only keys of each query's own chunk (the reported bound)."""
+    combos = itertools.product(("straddle", "spans_many"), (("contiguous", "halo"), ("balanced", "a2a")))
+    cases = [
+        Case(layout(name, cp), backend, ex, (4, 2), seed=cp * 10 + i, layout=lay, chunks=(chunk,))
+        for i, ((name, (lay, ex)), backend, chunk) in enumerate(itertools.product(combos, CPU_KERNELS, (4, 9)))
+    ]
+    _check(pools, cp, cases)
+    fake = [
+        Case(layout("straddle", cp), backend, ex, (4, 2), seed=i, layout=lay, chunks=(5,))
+        for i, (backend, (lay, ex)) in enumerate(
+            itertools.product(GPU_KERNELS, (("contiguous", "halo"), ("balanced", "a2a")))
+        )
+    ]
+    _check(pools, cp, fake, fakes=True)

@@ -128,6 +128,9 @@ def test_only_rank_0_shows_progress_bars(tmp_path):
     root = logging.getLogger()
     level, handlers = root.level, list(root.handlers)
     try:
+        # whatever ran earlier in this process (the data loader quiets datasets' bars) must not decide the outcome
+        transformers_logging.enable_progress_bar()
+        datasets.enable_progress_bars()
         configure_logging(0, None)
         assert transformers_logging.is_progress_bar_enabled() and datasets.is_progress_bar_enabled()
         configure_logging(1, None)

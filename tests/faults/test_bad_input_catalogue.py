@@ -444,11 +444,11 @@ def _saved_lfm2() -> None:
         build_causal_lm(ModelConfig(pretrained_path=tmp), 256, seed=0, activation_checkpointing=False, seq_len=64)
 
 
-def _packable(name: str, seq_len: int | None = None) -> None:
+def _packable(name: str, seq_len: int | None = None, route: str = "hf_interface") -> None:
     from nemo_automodel.components.models.packing_guard import check_packable_config
     from tests.families import make_config
 
-    check_packable_config(make_config(name), seq_len=seq_len)
+    check_packable_config(make_config(name), route, seq_len)
 
 
 def _probe(name: str) -> None:
@@ -493,6 +493,18 @@ def _attention_call(**kwargs: Any) -> Any:
 
     q = torch.zeros(1, 2, 4, 8)
     return cp_blockdiag_attention(_MistralLayer(), q, q, q, None, **kwargs)
+
+
+def _chunk_over_cache() -> Any:
+    """A Llama 4 chunked layer outside a CP step: 2 new queries over 4 keys (2 of them cached)."""
+    from nemo_automodel.components.models.cp_attention import cp_blockdiag_attention
+
+    layer = _MistralLayer()
+    layer.config = SimpleNamespace(
+        architectures=["Llama4ForCausalLM"], layer_types=[*["chunked_attention"] * 4], attention_chunk_size=8
+    )
+    q, kv = torch.zeros(1, 2, 2, 8), torch.zeros(1, 2, 4, 8)
+    return cp_blockdiag_attention(layer, q, kv, kv, None)
 
 
 def _attention_never_reached(cp: int = 2, route: str = "patch_sdpa") -> None:
@@ -637,7 +649,7 @@ RECIPE: dict[str, Callable[[], Any]] = {
     "model-packing-state-space": lambda: _packable("qwen3_next"),
     "model-packing-alibi": lambda: _packable("bloom"),
     "model-packing-bypass": lambda: _packable("falcon"),
-    "model-packing-chunked": lambda: _packable("llama4_text", seq_len=5),
+    "model-packing-chunked": lambda: _packable("llama4_text", seq_len=5, route="eager"),
     "model-packing-temperature": lambda: _packable("llama4_text", seq_len=4),
     "model-packing-leak": lambda: _probe("lfm2"),
     "model-packing-probe-no-attention": lambda: _probe("bloom"),
@@ -649,6 +661,7 @@ RECIPE: dict[str, Callable[[], Any]] = {
     "attention-weights": lambda: _attention_call(output_attentions=True),
     "attention-packing-metadata": lambda: _attention_call(cu_seq_lens_q=torch.zeros(2, dtype=torch.int32)),
     "attention-bad-window": lambda: _attention_call(sliding_window=0),
+    "attention-chunk-over-cache": _chunk_over_cache,
 }
 
 _TINY_LLAMA = ("model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1")

@@ -45,4 +45,7 @@ def check_override_keys(argv: list[str]) -> None:
         for part in parts[:-1]:
             leaf = leaf.setdefault(part, {})
         leaf[parts[-1]] = None
-        reject_unknown_keys(nested, FinetuneConfig)
+        try:
+            reject_unknown_keys(nested, FinetuneConfig)
+        except ValueError as exc:  # say where it came from: the line a job log shows is all a user sees
+            raise ValueError(f"{exc} (from the command-line override {key}=...)") from None

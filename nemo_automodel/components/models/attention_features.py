@@ -1,4 +1,4 @@
-"""What a model config asks of attention beyond per-document causal softmax: windows, soft-cap, sinks.
+"""What a model config asks of attention beyond per-document causal softmax: windows, chunks, soft-cap, sinks.
 
 Read from the config with the semantics of transformers' own modeling code, so that
 paths which cannot express these features (``model.attention=patch_sdpa``: stock
@@ -12,6 +12,7 @@ name instead of silently training a different model.
 - Mistral, Phi-3 (any other config): ``sliding_window`` on every layer (``None``: none).
 - Gemma 2: ``attn_logit_softcapping``.
 - gpt-oss: learned sinks (``s_aux``) on every layer.
+- Llama 4: ``attention_chunk_size`` on the ``"chunked_attention"`` layers.
 """
 
 from __future__ import annotations
@@ -30,17 +31,20 @@ class AttentionFeatures:
 
     Attributes:
         windows: ``{layer: sliding window}`` for every windowed layer.
+        chunks: ``{layer: attention chunk size}`` for every chunked layer.
         softcap: Attention logit soft-cap (``None``: none).
         sinks: Every layer has learned attention sinks.
     """
 
     windows: dict[int, int] = field(default_factory=dict)
+    chunks: dict[int, int] = field(default_factory=dict)
     softcap: float | None = None
     sinks: bool = False
 
     def names(self) -> list[str]:
         """The features as a user would name them, e.g. ``["sliding_window=4096 (layers 0-31)"]``."""
         out = [f"sliding_window={w} (layers {_ranges(ls)})" for w, ls in _by_window(self.windows).items()]
+        out += [f"attention_chunk_size={c} (layers {_ranges(ls)})" for c, ls in _by_window(self.chunks).items()]
         if self.softcap is not None:
             out.append(f"softcap={self.softcap} (attn_logit_softcapping)")
         if self.sinks:
@@ -91,7 +95,7 @@ def _window_layers(config: Any) -> list[int]:
 
 
 def attention_features(config: Any) -> AttentionFeatures:
-    """The sliding windows, soft-cap and sinks a transformers config implies (empty: plain causal).
+    """The sliding windows, chunks, soft-cap and sinks a transformers config implies (empty: plain causal).
 
     Args:
         config: A ``PretrainedConfig`` (or anything with the same attributes).
@@ -101,8 +105,12 @@ def attention_features(config: Any) -> AttentionFeatures:
     if getattr(config, "model_type", None) in _QWEN_TYPES and not getattr(config, "use_sliding_window", False):
         window = None  # Qwen configs keep a sliding_window value that their models ignore without this flag
     windows = {layer: int(window) for layer in _window_layers(config)} if window is not None else {}
+    chunk = getattr(config, "attention_chunk_size", None)
+    types = getattr(config, "layer_types", None) or []
+    chunks = {i: int(chunk) for i, kind in enumerate(types) if kind == "chunked_attention"} if chunk else {}
     return AttentionFeatures(
         windows=windows,
+        chunks=chunks,
         softcap=getattr(config, "attn_logit_softcapping", None),
         sinks=getattr(config, "model_type", None) in _SINK_TYPES,
     )

@@ -68,6 +68,22 @@ def variant_source(module: torch.nn.Module) -> str:
     return f"{architectures[0]} layer {layer}" if layer is not None else architectures[0]
 
 
+def attention_chunk(module: torch.nn.Module) -> int | None:
+    """The attention chunk size of ``module``'s layer (Llama 4's chunked layers), or ``None``.
+
+    transformers passes no keyword for it: the model builds a chunked causal mask
+    (``create_chunked_causal_mask``, from ``config.attention_chunk_size``) for the layers
+    whose ``config.layer_types`` entry is ``"chunked_attention"``, and no mask reaches
+    this function, so the chunk is read from the same config fields.
+    """
+    config = getattr(module, "config", None)
+    layer_types = getattr(config, "layer_types", None)
+    layer = getattr(module, "layer_idx", None)
+    if not layer_types or layer is None or layer_types[layer] != "chunked_attention":
+        return None
+    return getattr(config, "attention_chunk_size", None)
+
+
 def attention_variant(module: torch.nn.Module, kwargs: dict[str, Any]) -> AttentionVariant:
     """The :class:`AttentionVariant` a transformers attention call asks for; every keyword accounted for.
 
@@ -83,6 +99,7 @@ def attention_variant(module: torch.nn.Module, kwargs: dict[str, Any]) -> Attent
     rest = dict(kwargs)
     variant = AttentionVariant(
         window=rest.pop("sliding_window", None),
+        chunk=attention_chunk(module),
         softcap=rest.pop("softcap", None),
         sinks=rest.pop("s_aux", None),
         source=source,
@@ -113,7 +130,7 @@ def explicit_attention(
     """Exact eager attention of one unpacked call (outside a CP step: eval, generation).
 
     Causal with the queries aligned to the last keys (a KV cache holds the earlier
-    ones), inside ``variant.window``, with its soft-cap and sinks: the core's
+    ones), inside ``variant.window`` or ``variant.chunk``, with its soft-cap and sinks: the core's
     explicit-score attention, as transformers' eager attention of these families.
 
     Args:
@@ -128,11 +145,14 @@ def explicit_attention(
     Returns:
         ``[B, Hq, Lq, Dv]``.
     """
+    # with a chunk there are no cached keys (cp_blockdiag_attention refuses them), so key 0 is position 0
     q_pos = torch.arange(key.shape[2] - query.shape[2], key.shape[2], device=query.device)[:, None]
     k_pos = torch.arange(key.shape[2], device=query.device)[None, :]
     allowed = k_pos <= q_pos
     if variant.window is not None:
         allowed = allowed & (k_pos > q_pos - variant.window)
+    if variant.chunk is not None:
+        allowed = allowed & (k_pos // variant.chunk == q_pos // variant.chunk)
     bias = None
     if attention_mask is not None and attention_mask.dtype == torch.bool:
         allowed = allowed & attention_mask
@@ -185,6 +205,13 @@ def cp_blockdiag_attention(
         ``(attn_output [B, L, Hq, Dv], None)``: no attention weights.
     """
     variant = attention_variant(module, kwargs)
+    if current_blockdiag_cp_state() is None and variant.chunk is not None and query.shape[2] != key.shape[2]:
+        raise ValueError(
+            f"cp_blockdiag attention ({variant.source}): attention_chunk_size={variant.chunk} over "
+            f"{key.shape[2] - query.shape[2]} cached keys: where the chunks start depends on the tokens' absolute "
+            "positions, which transformers passes neither to attention nor with its (possibly truncated) chunk "
+            "cache; generate with attn_implementation='eager' or 'sdpa' (cp_blockdiag computes full rows exactly)"
+        )
     if current_blockdiag_cp_state() is None and _needs_explicit(query, key, attention_mask, variant):
         out = explicit_attention(query, key, value, attention_mask, dropout, scaling, variant)
         return out.transpose(1, 2).contiguous(), None

@@ -11,8 +11,9 @@ the other documents. Anything else that mixes tokens along the sequence sees the
 - attention modules that bypass transformers' attention interface (Bloom, MPT, Falcon:
   their own ALiBi code) never reach the CP function, so their documents see each other;
 - chunked local attention (Llama 4's ``attention_chunk_size``) is expressed only in the
-  mask transformers builds, which CP does not receive: rows longer than a chunk would
-  attend across chunk boundaries;
+  mask transformers builds, over the row index: only ``model.attention=hf_interface``
+  passes it to CP (per document, exactly); other routes would attend across chunk (or,
+  in one row, document) boundaries on rows longer than a chunk;
 - Llama 4's attention temperature on NoPE layers is computed from the *row* index
   (``arange`` over the packed row), not the document position.
 
@@ -64,8 +65,9 @@ _WHY = {
     "attention: packed documents attend each other",
     "bypasses attention interface": "it computes attention itself instead of calling transformers' attention "
     "interface, so block-diagonal CP never sees it and packed documents attend each other",
-    "chunked attention": "transformers expresses the chunks only in a mask, which block-diagonal CP does not "
-    "receive: a row longer than a chunk would attend across chunk boundaries",
+    "chunked attention": "transformers expresses the chunks only in a mask over the row index, which this "
+    "attention route does not turn into per-document chunks: a row longer than a chunk would attend across "
+    "chunk boundaries",
     "row-position scaling": "the query scale is computed from the row index (arange over the packed row), not "
     "each document's position",
 }
@@ -137,16 +139,20 @@ def _alibi_blockers(config: Any) -> list[PackingBlocker]:
     return [PackingBlocker("alibi", f"(config {name}=True)") for name, on in _alibi_flags(config).items() if on]
 
 
-def _chunk_blockers(config: Any, seq_len: int | None) -> list[PackingBlocker]:
-    """Chunked attention and Llama 4's NoPE temperature: exact only on rows no longer than they bite."""
+def _chunk_blockers(config: Any, route: str, seq_len: int | None) -> list[PackingBlocker]:
+    """Chunked attention off ``hf_interface`` and Llama 4's NoPE temperature: exact only on rows they do not bite.
+
+    ``hf_interface`` hands chunked layers to CP as per-document chunks (``cp_attention.attention_chunk``).
+    """
     out = []
     chunk = getattr(config, "attention_chunk_size", None)
-    if chunk is not None and (seq_len is None or seq_len > chunk):
+    if chunk is not None and route != "hf_interface" and (seq_len is None or seq_len > chunk):
         types = getattr(config, "layer_types", None) or []
         chunked = [i for i, t in enumerate(types) if t == "chunked_attention"] if types else None
         where = f"(attention_chunk_size={chunk}, layers {_layers(chunked)})" if chunked else f"({chunk}, every layer)"
         if chunked != []:
-            out.append(PackingBlocker("chunked attention", where, f"exact with data.seq_len <= {chunk}"))
+            fix = f"exact with model.attention=hf_interface, or with data.seq_len <= {chunk}"
+            out.append(PackingBlocker("chunked attention", where, fix))
     no_rope = getattr(config, "no_rope_layers", None)
     floor_scale = getattr(config, "floor_scale", None)
     if getattr(config, "attn_temperature_tuning", False) and no_rope and floor_scale:
@@ -232,11 +238,11 @@ def packing_blockers(
     Args:
         model: A transformers causal LM (any ``nn.Module`` with a ``config``).
         route: How attention reaches CP (``model.attention``); ``eager`` skips the interface-bypass check.
-        seq_len: The packed row length; chunked attention and Llama 4's temperature are exact on rows no
-            longer than they bite (``None``: assume they bite).
+        seq_len: The packed row length; chunked attention (off ``hf_interface``) and Llama 4's temperature are
+            exact on rows no longer than they bite (``None``: assume they bite).
     """
     config = _text_config(getattr(model, "config", None))
-    blockers = _layer_type_blockers(config) + _alibi_blockers(config) + _chunk_blockers(config, seq_len)
+    blockers = _layer_type_blockers(config) + _alibi_blockers(config) + _chunk_blockers(config, route, seq_len)
     return blockers + _module_blockers(model, config, route)
 
 

@@ -61,17 +61,21 @@ def reset_caches() -> None:
 
 
 def variant_feature_kinds(variant: AttentionVariant) -> list[tuple[str, str]]:
-    """``(kind, user-facing name)`` of each feature of ``variant``; kinds are ``window``, ``softcap``, ``sinks``."""
+    """``(kind, user-facing name)`` of each feature of ``variant``: ``window``, ``chunk``, ``softcap``, ``sinks``.
+
+    A chunk is in the plan's segments (documents re-cut into chunks), so no kernel has a gap for it.
+    """
     kinds = [
         kind
         for kind, present in (
             ("window", variant.window is not None),
+            ("chunk", variant.chunk is not None),
             ("softcap", variant.softcap is not None),
             ("sinks", variant.sinks is not None),
         )
         if present
     ]
-    names = variant.features()  # same order: window, softcap, sinks
+    names = variant.features()  # same order: window, chunk, softcap, sinks
     assert len(names) == len(kinds), (names, kinds)
     return list(zip(kinds, names))
 

@@ -376,6 +376,38 @@ class ShardPlan:
     def _segments_by_window(self) -> dict[int | None, tuple[RankSegments, ...]]:
         return {}
 
+    def chunked(self, chunk: int) -> ShardPlan:
+        """This plan with every document re-cut into chunks of ``chunk`` positions (memoized per chunk).
+
+        Chunk ``k`` of a document (its positions ``[k C, (k + 1) C)``) becomes a document of its own, and
+        every piece is cut at chunk boundaries, so each token keeps its rank and physical row: plain causal
+        attention over the result is chunked attention over the original documents, and its segments,
+        exchange plan and lower bound (only keys of a query's own chunk) follow from the usual code.
+        """
+        if chunk not in self._chunked:
+            starts, ends, doc_of = [], [], {}
+            for doc, (start, end) in enumerate(zip(self.runs.starts, self.runs.ends)):
+                doc_of[doc] = len(starts)
+                starts += range(start, end, chunk)
+                ends += [min(s + chunk, end) for s in range(start, end, chunk)]
+            runs = DocRuns(tuple(starts), tuple(ends), tuple(range(1, len(starts) + 1)), self.runs.total_len)
+            pieces = tuple(
+                tuple(
+                    DocPiece(
+                        doc_of[p.doc] + k, max(p.start, k * chunk) - k * chunk, min(p.stop, (k + 1) * chunk) - k * chunk
+                    )
+                    for p in rank_pieces
+                    for k in range(p.start // chunk, -(-p.stop // chunk))
+                )
+                for rank_pieces in self.pieces
+            )
+            self._chunked[chunk] = ShardPlan(runs, self.cp, self.local_len, self.layout, pieces)
+        return self._chunked[chunk]
+
+    @cached_property
+    def _chunked(self) -> dict[int, ShardPlan]:
+        return {}
+
     @cached_property
     def permutation(self) -> torch.Tensor:
         """``[S_full]`` long: the original position of the token at each physical position."""

@@ -11,8 +11,9 @@ under ``balanced`` any piece after a document's first). Rows past ``n_real`` are
 padding: their output is zero.
 
 A rank's segments split into :class:`AttentionGroup` s (local keys, remote keys);
-a :class:`WindowPlan` holds them for one sliding window together with that
-window's exchange plan and K/V route, each computed once on first use.
+a :class:`WindowPlan` holds them for one sliding window (or one attention
+chunk size, over the documents re-cut into chunks: :meth:`ShardPlan.chunked`)
+together with its exchange plan and K/V route, each computed once on first use.
 """
 
 from __future__ import annotations
@@ -233,7 +234,7 @@ def plan_attention_groups(
 
 @dataclass
 class WindowPlan:
-    """This rank's attention plan for one sliding window (``None``: full causal), shared by its layers.
+    """This rank's attention plan for one sliding window (``None``: full causal) or chunk, shared by its layers.
 
     Built from the replicated shard plan (no communication): the full-attention
     plan at batch-build time, a windowed one at the row's first call with that
@@ -241,7 +242,8 @@ class WindowPlan:
 
     Attributes:
         window: The sliding window ``W`` (``None``: full causal).
-        shard_plan: Where every document piece lives (replicated).
+        shard_plan: Where every document piece lives (replicated); for a chunked plan, the pieces of the
+            documents re-cut into chunks (:meth:`ShardPlan.chunked`).
         rank: This rank in the CP group.
         segments: This rank's local segments and the keys inside their window.
         varlen_meta: Kernel metadata of all the segments over the ``L`` rows.
@@ -249,6 +251,7 @@ class WindowPlan:
         merge_index: Row permutation restoring local order after concatenating the
             groups' outputs and the padding rows (``None``: already in order).
         auto_choice: ``kv_exchange=auto``'s ``(path, reason)`` for this window.
+        chunk: The attention chunk size ``C`` of a chunked plan (``None``: unchunked).
     """
 
     window: int | None
@@ -259,6 +262,7 @@ class WindowPlan:
     groups: tuple[AttentionGroup, ...]
     merge_index: torch.Tensor | None
     auto_choice: tuple[str, str] | None = None
+    chunk: int | None = None
     _kv_plan: KVPlan | None = field(default=None, repr=False)
     _route: Route | None = field(default=None, repr=False)
 
@@ -281,9 +285,12 @@ class WindowPlan:
         return self._route
 
 
-def build_window_plan(plan: ShardPlan, rank: int, window: int | None, device: torch.device | str) -> WindowPlan:
-    """Rank ``rank``'s :class:`WindowPlan` for sliding ``window`` (host work from the replicated plan)."""
+def build_window_plan(
+    plan: ShardPlan, rank: int, window: int | None, device: torch.device | str, chunk: int | None = None
+) -> WindowPlan:
+    """Rank ``rank``'s :class:`WindowPlan` for sliding ``window`` or attention ``chunk`` (host work only)."""
+    plan = plan if chunk is None else plan.chunked(chunk)
     segments = plan.segments(rank, window)
     groups, merge_index = plan_attention_groups(segments, device)
     meta = precompute_blockdiag_varlen_meta(segments, device)
-    return WindowPlan(window, plan, rank, segments, meta, groups, merge_index)
+    return WindowPlan(window, plan, rank, segments, meta, groups, merge_index, chunk=chunk)

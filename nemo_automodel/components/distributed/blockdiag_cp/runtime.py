@@ -35,7 +35,7 @@ from nemo_automodel.components.distributed.blockdiag_cp.exchange import Exchange
 from nemo_automodel.components.distributed.blockdiag_cp.logs import log_once
 from nemo_automodel.components.distributed.blockdiag_cp.metadata import AttentionGroup, WindowPlan, build_window_plan
 from nemo_automodel.components.distributed.blockdiag_cp.state import StepState
-from nemo_automodel.components.distributed.blockdiag_cp.variant import PLAIN, AttentionVariant
+from nemo_automodel.components.distributed.blockdiag_cp.variant import PLAIN, AttentionVariant, PlanKey, plan_key
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,8 @@ def exchange_stats(state: StepState | None = None) -> dict[str, Any] | None:
         ``{"path", "reason", "attn_backend", "kv_tokens_received", "kv_bytes_received"}`` of the
         last call (every layer of one sliding window takes the same path); ``"windows"``: per
         window (``None``: full causal) ``{"path", "kv_tokens_received", "kv_tokens_lower_bound"}``
-        (the lower bound: the needed keys held by other ranks, inside the window); plus the
+        (the lower bound: the needed keys held by other ranks, inside the window); ``"chunks"``:
+        the same per attention chunk size ``C`` (lower bound: keys of each query's own chunk); plus the
         step's time blocked on exchanges: ``exchange_wait_s`` (forward),
         ``exchange_backward_wait_s`` and ``exchange_calls``.
     """
@@ -68,8 +69,14 @@ def exchange_stats(state: StepState | None = None) -> dict[str, Any] | None:
         "kv_tokens_received": stats.kv_tokens_received,
         "kv_bytes_received": stats.kv_bytes_received,
         "windows": {
-            window: {"path": path, "kv_tokens_received": received, "kv_tokens_lower_bound": bound}
-            for window, (path, received, bound) in stats.windows.items()
+            key: {"path": path, "kv_tokens_received": received, "kv_tokens_lower_bound": bound}
+            for key, (path, received, bound) in stats.windows.items()
+            if not isinstance(key, tuple)
+        },
+        "chunks": {
+            key[1]: {"path": path, "kv_tokens_received": received, "kv_tokens_lower_bound": bound}
+            for key, (path, received, bound) in stats.windows.items()
+            if isinstance(key, tuple)
         },
         "exchange_wait_s": stats.exchange_wait_s,
         "exchange_backward_wait_s": stats.exchange_backward_wait_s,
@@ -153,6 +160,7 @@ def _select_kv_exchange_path(
     query_dtype: torch.dtype | None = None,
     dropout_p: float = 0.0,
     window: int | None = None,
+    chunk: int | None = None,
 ) -> tuple[str, KVPlan | None, str]:
     """Decide this step's K/V path and say why (no communication: every input is replicated).
 
@@ -167,6 +175,7 @@ def _select_kv_exchange_path(
             step agreement check, which makes every rank raise together when it cannot.
         dropout_p: Kept for the seed signature (dropout never changes the path).
         window: The calls' sliding window (``None``: full causal); each window has its own plan.
+        chunk: The calls' attention chunk size (``None``: unchunked); each chunk size has its own plan.
 
     Returns:
         ``(path, plan, reason)``: ``path`` is ``"halo"``, ``"a2a"`` or
@@ -185,9 +194,10 @@ def _select_kv_exchange_path(
         return "allgather", None, "kv_exchange=allgather (configured)"
     if _cp_group_spans_nodes(group, state.options.allow_cross_node):
         return "allgather", None, "CP group spans nodes (set NEMO_CP_ALLOW_XNODE=1 to force needed-only)"
-    plan = _kv_plan(state, window, device)
+    key = plan_key(window, chunk)
+    plan = _kv_plan(state, key, device)
     if kv_exchange == "auto":
-        path, reason = _auto_choice(state, plan, device, window)
+        path, reason = _auto_choice(state, plan, device, key)
         return path, None if path == "allgather" else plan, reason
     if kv_exchange == "a2a":
         return "a2a", plan, "kv_exchange=a2a (configured)"
@@ -196,13 +206,13 @@ def _select_kv_exchange_path(
     return "a2a", plan, "kv_exchange=halo upgraded to a2a: some rank needs keys from beyond its left neighbour"
 
 
-def _auto_choice(state: StepState, plan: KVPlan, device: torch.device, window: int | None) -> tuple[str, str]:
-    """``kv_exchange=auto``: the cost model's path for this window (same on every rank: replicated inputs)."""
-    memo = _window_plan(state, window, device)
+def _auto_choice(state: StepState, plan: KVPlan, device: torch.device, key: PlanKey) -> tuple[str, str]:
+    """``kv_exchange=auto``: the cost model's path for this window or chunk (same on every rank: replicated inputs)."""
+    memo = _window_plan(state, key, device)
     if memo.auto_choice is None:
         shape = state.cache.shape or cost.Shape()
         machine = cost.machine_for(device)
-        path, reason, _ = cost.choose(state.shard_plan, plan, shape, machine, state.options.overlap, window)
+        path, reason, _ = cost.choose(memo.shard_plan, plan, shape, machine, state.options.overlap, memo.window)
         memo.auto_choice = (path, reason)
         # each path's first pick at INFO; mixed rows flip the pick per step, which would flood the log
         if not log_once(
@@ -212,32 +222,35 @@ def _auto_choice(state: StepState, plan: KVPlan, device: torch.device, window: i
     return memo.auto_choice
 
 
-def _window_plan(state: StepState, window: int | None, device: torch.device) -> WindowPlan:
-    """This rank's plan for ``window``: built once per step from the replicated shard plan (no communication)."""
-    if window not in state.cache.windows:
-        state.cache.windows[window] = build_window_plan(state.shard_plan, state.cp_rank, window, device)
-    return state.cache.windows[window]
+def _window_plan(state: StepState, key: PlanKey, device: torch.device) -> WindowPlan:
+    """This rank's plan for a window or ``("chunk", C)``: built once per step from the replicated shard plan."""
+    if key not in state.cache.windows:
+        window, chunk = (None, key[1]) if isinstance(key, tuple) else (key, None)
+        state.cache.windows[key] = build_window_plan(state.shard_plan, state.cp_rank, window, device, chunk)
+    return state.cache.windows[key]
 
 
-def _kv_plan(state: StepState, window: int | None = None, device: torch.device | None = None) -> KVPlan:
-    """The replicated exchange plan of ``window``, computed once per row and reused by every layer and recompute."""
-    return _window_plan(state, window, device or state.positions.device).kv_plan()
+def _kv_plan(state: StepState, key: PlanKey = None, device: torch.device | None = None) -> KVPlan:
+    """The replicated exchange plan of a window or chunk, computed once per row, reused by every layer and recompute."""
+    return _window_plan(state, key, device or state.positions.device).kv_plan()
 
 
-def _route(state: StepState, device: torch.device, window: int | None = None) -> Route:
-    """The K/V route of ``window``'s calls (path, plan, sends, where each group's keys are), built on first use."""
+def _route(state: StepState, device: torch.device, window: int | None = None, chunk: int | None = None) -> Route:
+    """The K/V route of the calls of ``window`` or ``chunk`` (path, sends, where each group's keys are), built once."""
 
     def choose(_: WindowPlan) -> tuple[str, KVPlan | None, str]:
         if state.cp_size > 1:  # before any knob decides anything: every rank takes part in the (one-time) gather
             topology.group_hosts(state.group)
         path, plan, reason = _select_kv_exchange_path(
-            state, state.group, state.doc_ids, state.local_len, device, state.row_offset, window=window
+            state, state.group, state.doc_ids, state.local_len, device, state.row_offset, window=window, chunk=chunk
         )
         if window is not None:
             reason = f"{reason} (sliding_window={window}: keys inside the window only)"
+        if chunk is not None:
+            reason = f"{reason} (attention_chunk_size={chunk}: keys of the query's own chunk only)"
         return path, plan, reason
 
-    return _window_plan(state, window, device).route(choose)
+    return _window_plan(state, plan_key(window, chunk), device).route(choose)
 
 
 def _kernel_for(
@@ -523,13 +536,13 @@ def cp_blockdiag_sdpa(
     if state.cache.shape is None:
         state.cache.shape = cost.Shape(query.shape[1], key.shape[1], query.shape[3], query.element_size())
     kernel, unavailable = _kernel_for(state, query, value, dropout_p, variant)
-    route = _route(state, query.device, variant.window)
+    route = _route(state, query.device, variant.window, variant.chunk)
     _agree_on_step(state, query, key, value, kernel or f"unavailable: {unavailable}", route, variant)
     if unavailable is not None:  # every rank agreed that it cannot run: all raise here, together
         raise unavailable
     log_once(
         logger,
-        f"kv-path:{variant.window}",
+        f"kv-path:{variant.plan_key}",
         logging.INFO,
         "block-diagonal CP: KV exchange path=%s (%s); kernel=%s; cp_size=%d local_len=%d",
         route.path,
@@ -538,7 +551,7 @@ def cp_blockdiag_sdpa(
         state.cp_size,
         state.local_len,
     )
-    plan = state.cache.windows[variant.window]
+    plan = state.cache.windows[variant.plan_key]
     recorder = CallRecorder(state.failures, call)
     out = _attend(state, plan, route, kernel, query, key, value, scale, dropout_p, variant, recorder)
     _record_stats(state, plan, route, kernel, key, value)
@@ -554,7 +567,11 @@ def _record_stats(
     stats.kv_tokens_received = route.received_tokens
     row_bytes = key.shape[1] * (key.shape[3] + value.shape[3]) * key.element_size()
     stats.kv_bytes_received = route.received_tokens * row_bytes
-    stats.windows[plan.window] = (route.path, route.received_tokens, plan.segments.remote_kv_tokens)
+    stats.windows[plan_key(plan.window, plan.chunk)] = (
+        route.path,
+        route.received_tokens,
+        plan.segments.remote_kv_tokens,
+    )
 
 
 def nonfinite_attention_inputs(state: StepState | None = None) -> list[str]:

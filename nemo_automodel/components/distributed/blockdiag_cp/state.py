@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from nemo_automodel.components.distributed.blockdiag_cp.cost import Shape
     from nemo_automodel.components.distributed.blockdiag_cp.layout import ShardPlan
     from nemo_automodel.components.distributed.blockdiag_cp.metadata import WindowPlan
+    from nemo_automodel.components.distributed.blockdiag_cp.variant import PlanKey
 
 _DEFAULT_OPTIONS = CPOptions()
 
@@ -87,7 +88,7 @@ class StepCache:
     """Values computed lazily during one step and reused by every layer and by recompute.
 
     Attributes:
-        windows: Per sliding window (``None``: full causal), this rank's :class:`WindowPlan`.
+        windows: Per sliding window (``None``: full causal) or ``("chunk", C)``, this rank's :class:`WindowPlan`.
         agreed: Whether the step-start agreement check passed.
         kernel: Per call signature, the concrete kernel, or why the requested one cannot run.
         shape: The attention shape of the first call (for the cost model).
@@ -95,7 +96,7 @@ class StepCache:
         preflight: Answers of the seed's ``compat._needed_only_preflight`` (its collective runs once per key).
     """
 
-    windows: dict[int | None, WindowPlan] = field(default_factory=dict)
+    windows: dict[PlanKey, WindowPlan] = field(default_factory=dict)
     agreed: bool = False
     kernel: dict[KernelKey, tuple[str | None, Exception | None]] = field(default_factory=dict)
     shape: Shape | None = None
@@ -113,8 +114,8 @@ class StepStats:
         attn_backend: The concrete kernel the calls ran.
         kv_tokens_received / kv_bytes_received: K/V the last call received (the same for every
             layer of one window).
-        windows: Per sliding window seen this step (``None``: full causal): ``(path, K/V tokens
-            received, lower bound)`` of one of its calls.
+        windows: Per sliding window seen this step (``None``: full causal) or ``("chunk", C)``:
+            ``(path, K/V tokens received, lower bound)`` of one of its calls.
         exchange_wait_s / exchange_backward_wait_s: Seconds blocked on the exchange, forward / backward.
         exchange_calls: Exchanges posted.
     """
@@ -125,7 +126,7 @@ class StepStats:
     attn_backend: str | None = None
     kv_tokens_received: int = 0
     kv_bytes_received: int = 0
-    windows: dict[int | None, tuple[str, int, int]] = field(default_factory=dict)
+    windows: dict[PlanKey, tuple[str, int, int]] = field(default_factory=dict)
     exchange_wait_s: float = 0.0
     exchange_backward_wait_s: float = 0.0
     exchange_calls: int = 0

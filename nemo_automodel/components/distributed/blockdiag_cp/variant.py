@@ -1,4 +1,4 @@
-"""Attention variants real model families ask for: sliding windows, logit soft-capping, attention sinks.
+"""Attention variants real model families ask for: sliding windows, chunks, logit soft-capping, attention sinks.
 
 Semantics (those of transformers' eager attention, per document):
 
@@ -23,6 +23,14 @@ from dataclasses import dataclass
 
 import torch
 
+PlanKey = int | None | tuple[str, int]
+"""Key of one attention plan of a row: a sliding window (``None``: full causal) or ``("chunk", C)``."""
+
+
+def plan_key(window: int | None, chunk: int | None) -> PlanKey:
+    """The :data:`PlanKey` of attention with sliding ``window`` or attention ``chunk`` (never both)."""
+    return window if chunk is None else ("chunk", chunk)
+
 
 @dataclass(frozen=True, eq=False)
 class AttentionVariant:
@@ -30,12 +38,14 @@ class AttentionVariant:
 
     Attributes:
         window: Sliding window ``W >= 1`` in keys (``None``: full causal).
+        chunk: Chunk ``C >= 1`` in positions (``None``: unchunked); not combined with ``window``.
         softcap: Logit soft-cap ``c > 0`` (``None``: none).
         sinks: Sink logits ``[Hq]`` (``None``: none); a parameter, so it gets a gradient.
         source: Where the variant comes from (e.g. ``"MistralForCausalLM layer 3"``), named in errors.
     """
 
     window: int | None = None
+    chunk: int | None = None
     softcap: float | None = None
     sinks: torch.Tensor | None = None
     source: str = ""
@@ -47,6 +57,17 @@ class AttentionVariant:
         ):
             raise ValueError(
                 f"sliding_window={self.window!r}{where}: must be a positive int (or None for full attention)"
+            )
+        if self.chunk is not None and (
+            isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk < 1
+        ):
+            raise ValueError(
+                f"attention_chunk_size={self.chunk!r}{where}: must be a positive int (or None for unchunked)"
+            )
+        if self.chunk is not None and self.window is not None:
+            raise ValueError(
+                f"sliding_window={self.window} with attention_chunk_size={self.chunk}{where}: a layer with both "
+                "is not supported; use one of them per layer"
             )
         if self.softcap is not None and (
             isinstance(self.softcap, bool)
@@ -64,7 +85,7 @@ class AttentionVariant:
     @property
     def plain(self) -> bool:
         """True when this is plain per-document causal attention."""
-        return self.window is None and self.softcap is None and self.sinks is None
+        return self.window is None and self.chunk is None and self.softcap is None and self.sinks is None
 
     @property
     def scores_changed(self) -> bool:
@@ -78,14 +99,21 @@ class AttentionVariant:
 
     @property
     def key(self) -> tuple[int | None, bool, bool]:
-        """What kernel choice and plans depend on: ``(window, has softcap, has sinks)``."""
+        """What kernel choice depends on: ``(window, has softcap, has sinks)`` (a chunk is in the plan only)."""
         return self.window, self.softcap is not None, self.sinks is not None
+
+    @property
+    def plan_key(self) -> PlanKey:
+        """Which attention plan the call uses: its window (``None``: full causal), or ``("chunk", C)``."""
+        return plan_key(self.window, self.chunk)
 
     def features(self) -> list[str]:
         """The variant's features as a user would name them, e.g. ``["sliding_window=4096", "softcap=50.0"]``."""
         names = []
         if self.window is not None:
             names.append(f"sliding_window={self.window}")
+        if self.chunk is not None:
+            names.append(f"attention_chunk_size={self.chunk}")
         if self.softcap is not None:
             names.append(f"softcap={self.softcap}")
         if self.sinks is not None:
