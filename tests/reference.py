@@ -107,3 +107,28 @@ def segments_reference(
         pieces.append(torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ vs)
     out = torch.cat(pieces, dim=1)  # [Hq, n_real, Dv]
     return torch.nn.functional.pad(out, (0, 0, 0, meta.local_len - meta.n_real))[None]
+
+
+def fill_rows_reference(docs: list[Any], rows: list[list[int]], seq_len: int, pad_id: int) -> tuple[torch.Tensor, ...]:
+    """``(input_ids, labels, position_ids, seq_ids)`` ``[N, seq_len]``, filled one document at a time (the packer's
+    original loop: the oracle of its vectorized fill, and the baseline of ``benchmarks/packing.py --fill``)."""
+    shape = (len(rows), seq_len)
+    input_ids = torch.full(shape, pad_id, dtype=torch.long)
+    labels = torch.full(shape, -100, dtype=torch.long)
+    position_ids = torch.zeros(shape, dtype=torch.long)
+    seq_ids = torch.zeros(shape, dtype=torch.long)
+    for r, members in enumerate(rows):
+        start = 0
+        for doc_number, index in enumerate(members, start=1):
+            tokens = torch.tensor(docs[index].ids, dtype=torch.long)
+            end = start + len(tokens)
+            input_ids[r, start:end] = tokens
+            successors = tokens[1:]
+            if docs[index].targets is not None:
+                keep = torch.tensor(docs[index].targets[1:], dtype=torch.bool)
+                successors = torch.where(keep, successors, torch.full_like(successors, -100))
+            labels[r, start : end - 1] = successors
+            position_ids[r, start:end] = torch.arange(len(tokens))
+            seq_ids[r, start:end] = doc_number
+            start = end
+    return input_ids, labels, position_ids, seq_ids

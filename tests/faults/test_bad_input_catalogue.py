@@ -340,10 +340,33 @@ def _bad_utf8() -> None:
         prepare_data(DataConfig(source="text", path=str(path), seq_len=64, cache_dir=tmp), ByteTokenizer())
 
 
+# A JSON Lines file whose second line (61 bytes) is over data.max_record_bytes=32.
+BIG_RECORDS = '{"text": "a"}\n{"text": "%s"}\n' % ("x" * 49)
+
+
+def _big_parquet_row() -> None:
+    """A parquet file whose second row holds 40 bytes of text, over ``data.max_record_bytes=32``."""
+    import datasets
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "data.parquet"
+        datasets.Dataset.from_list([{"text": "a"}, {"text": "x" * 40}]).to_parquet(str(path))
+        cfg = DataConfig(source="text", path=str(path), seq_len=64, max_record_bytes=32, long_records="error")
+        prepare_data(cfg, ByteTokenizer())
+
+
 def _chat(*conversations: list[tuple[str, str]], tokenizer: Any = None, **fields: Any) -> None:
     """``data=chat`` over ``conversations`` (each ``[(role, content), ...]``) with the chat tokenizer."""
     lines = [json.dumps({"messages": [{"role": r, "content": c} for r, c in conv]}) for conv in conversations]
     _data("\n".join(lines) + "\n", tokenizer or _chat_tokenizer(), **{"source": "chat", **fields})
+
+
+TOOL_CALL = {"type": "function", "function": {"name": "weather", "arguments": "{}"}}
+
+
+def _messages(*messages: dict[str, Any]) -> None:
+    """``data=chat`` over one conversation of raw ``messages`` with the chat tokenizer (no tool-call rendering)."""
+    _data(json.dumps({"messages": list(messages)}) + "\n", _chat_tokenizer(), source="chat")
 
 
 def _files(*names: str, first: bool = False, **fields: Any) -> None:
@@ -498,6 +521,7 @@ POSITIVE_FIELDS = (
     "model.num_kv_heads",
     "model.intermediate_size",
     "data.num_documents",
+    "data.max_record_bytes",
     "optim.lr",
     "optim.decay_steps",
     "trainer.max_steps",
@@ -550,6 +574,8 @@ RECIPE: dict[str, Callable[[], Any]] = {
     "config-data-loss-on": _values("data=chat", "data.loss_on=prompt"),
     "config-data-loss-on-text": _values("data=jsonl", "data.loss_on=answer"),
     "config-long-conversations": _values("data=chat", "data.long_conversations=wrap"),
+    "config-long-records": _values("data=jsonl", "data.long_records=skip"),
+    "config-empty-answers": _values("data=chat", "data.empty_answers=ignore"),
     "config-validation-fraction": _values("data.validation=1.5"),
     "config-validation-synthetic-path": _values("data.validation=/data/val.jsonl"),
     "config-val-every-without-validation": _values("trainer.val_every=10"),
@@ -566,6 +592,9 @@ RECIPE: dict[str, Callable[[], Any]] = {
     "data-jsonl-bad-utf8": _bad_utf8,
     "data-jsonl-duplicate-key": lambda: _jsonl('{"text": "a"}\n{"text": "b", "text": "c"}\n'),
     "data-jsonl-empty": lambda: _jsonl("\n\n"),
+    "data-record-too-large": lambda: _data(BIG_RECORDS, max_record_bytes=32, long_records="error"),
+    "data-record-too-large-row": _big_parquet_row,
+    "data-all-records-too-large": lambda: _data('{"text": "%s"}\n' % ("x" * 40), max_record_bytes=32),
     "data-all-empty": lambda: pack_documents([[], []], 8, "first_fit_decreasing", 0, 0),
     "path-data-mixed-formats": lambda: _files("a.jsonl", "b.parquet"),
     "path-data-split-missing": lambda: _files("train.jsonl", "test.jsonl", split="validation"),
@@ -579,6 +608,16 @@ RECIPE: dict[str, Callable[[], Any]] = {
     "data-chat-no-template": lambda: _chat(QA, tokenizer=_chat_tokenizer(template=None)),
     "data-chat-no-assistant": lambda: _chat([("user", "hi")]),
     "data-chat-not-incremental": lambda: _chat(QA, tokenizer=_chat_tokenizer(template=NOT_INCREMENTAL)),
+    "data-chat-tool-calls-unsupported": lambda: _messages(
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]}
+    ),
+    "data-chat-content-null": lambda: _messages(
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None}
+    ),
+    "data-chat-tool-calls-malformed": lambda: _messages(
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [{"name": "f"}]}
+    ),
+    "data-chat-empty-answer": lambda: _chat([("user", "hi"), ("assistant", "")], empty_answers="error"),
     "data-chat-too-long": lambda: _chat([("user", "x" * 80), ("assistant", "y")], long_conversations="error"),
     "data-chat-all-too-long": lambda: _chat([("user", "x" * 80), ("assistant", "y")]),
     "data-chat-all-too-long-held-out": lambda: _chat([("user", "x" * 80), ("assistant", "y")], validation="0.1"),

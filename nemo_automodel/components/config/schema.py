@@ -36,6 +36,10 @@ PACKING_ALGORITHMS = ("first_fit_decreasing", "first_fit_shuffle")
 # A chat / instruction row longer than data.seq_len: keep its leading turns up to the last whole assistant
 # turn that fits (else drop it), drop it, or stop with an error naming it.
 LONG_CONVERSATION_MODES = ("leading_turns", "drop", "error")
+# A record larger than data.max_record_bytes: skip it (counted in the data log line) or stop naming file and line.
+LONG_RECORD_MODES = ("drop", "error")
+# A chat assistant turn with no answer (empty content, no tool calls): warn with a count, or stop naming it.
+EMPTY_ANSWER_MODES = ("warn", "error")
 # Which tokens carry loss: answers only (assistant turns, completions), all, or auto (answers for chat and
 # instruction data, all tokens for text).
 LOSS_ON = ("auto", "answer", "all")
@@ -126,6 +130,15 @@ class DataConfig:
         add_eos: End every document with the tokenizer's EOS (never twice).
         long_conversations: A chat/instruction row longer than ``seq_len``: ``leading_turns`` keeps the
             turns up to the last whole assistant turn that fits (none fits: dropped), ``drop``, or ``error``.
+        max_record_bytes: The largest record read, in bytes: a JSON Lines line (without its newline), or a
+            parquet/arrow/JSON-array row's data (its strings and numbers). JSON Lines are measured while the
+            file is read in chunks, before any parsing, so a huge line never becomes Python objects (a record
+            costs several hundred bytes of memory per byte once tokenized). Default 16 MiB.
+        long_records: A record larger than ``max_record_bytes``: ``drop`` it (counted in the ``data:`` log
+            line) or ``error`` (names the file and the 1-based line or row).
+        empty_answers: A chat assistant turn with an empty answer (blank content, no ``tool_calls``), which
+            would teach the model to end its turn at once: ``warn`` (counted in the ``data:`` log line, with a
+            warning) or ``error`` (names the file, the 1-based row and the message).
         cache_dir: Where tokenized, packed data is cached (``None``: ``~/.cache/nemo_automodel/data``);
             must be visible to every rank (rank 0 builds, the others read).
         seq_len: Tokens per packed row (padded to a multiple of ``2 * cp.size`` for CP).
@@ -148,6 +161,9 @@ class DataConfig:
     loss_on: str = "auto"
     add_eos: bool = True
     long_conversations: str = "leading_turns"
+    max_record_bytes: int = 16 * 1024 * 1024
+    long_records: str = "drop"
+    empty_answers: str = "warn"
     cache_dir: str | None = None
     seq_len: int = 512
     packing_algorithm: str = "first_fit_shuffle"
@@ -164,6 +180,9 @@ class DataConfig:
         _require_choice("data.long_documents", self.long_documents, LONG_DOCUMENT_MODES)
         _require_choice("data.long_conversations", self.long_conversations, LONG_CONVERSATION_MODES)
         _require_choice("data.loss_on", self.loss_on, LOSS_ON)
+        _require_choice("data.long_records", self.long_records, LONG_RECORD_MODES)
+        _require_choice("data.empty_answers", self.empty_answers, EMPTY_ANSWER_MODES)
+        _require_positive("data.max_record_bytes", self.max_record_bytes)
         if self.loss_on == "answer" and self.source not in ("chat", "instruction"):
             raise ValueError(
                 f"data.loss_on=answer needs data=chat or data=instruction (data.source={self.source} has no answers)"

@@ -58,18 +58,32 @@ class FormatStats:
     """What conversion did to the records, for the log (``data: ...``)."""
 
     records: int = 0
+    too_large: int = 0
+    too_large_rows: list[str] = field(default_factory=list)
+    empty_answers: int = 0
+    empty_answer_rows: list[str] = field(default_factory=list)
     empty: int = 0
     cut: int = 0
     dropped: int = 0
     dropped_rows: list[str] = field(default_factory=list)
 
-    def summary(self, seq_len: int) -> str:
+    def summary(self, cfg: DataConfig) -> str:
         parts = [f"{self.records} records"]
+        if self.too_large:
+            parts.append(
+                f"{self.too_large} larger than data.max_record_bytes={cfg.max_record_bytes} (dropped, e.g. "
+                f"{', '.join(self.too_large_rows[:3])})"
+            )
         if self.empty:
             parts.append(f"{self.empty} empty (skipped)")
+        if self.empty_answers:
+            parts.append(
+                f"{self.empty_answers} empty assistant answers (trained as an immediate end of turn, e.g. "
+                f"{', '.join(self.empty_answer_rows[:3])})"
+            )
         if self.cut or self.dropped:
             parts.append(
-                f"{self.cut + self.dropped} longer than data.seq_len={seq_len}: {self.cut} cut to their leading "
+                f"{self.cut + self.dropped} longer than data.seq_len={cfg.seq_len}: {self.cut} cut to their leading "
                 f"turns, {self.dropped} dropped (no whole assistant turn fits)"
                 + (f", e.g. {', '.join(self.dropped_rows[:3])}" if self.dropped_rows else "")
             )
@@ -123,13 +137,44 @@ def _check_messages(messages: Any, cfg: DataConfig) -> None:
                 f"message {i} has role {role!r}; valid roles: {', '.join(CHAT_ROLES)} "
                 "(each message is {'role': ..., 'content': '...'})"
             )
-        if not isinstance(message.get("content"), str):
-            raise ValueError(f"message {i} ({role}) has no string 'content'")
+        content = message.get("content")
+        if role == "assistant" and content is None and _tool_calls(message, i):
+            continue  # an OpenAI-style tool-call turn: rendered if the template can (see _chat_segments)
+        if not isinstance(content, str):
+            raise ValueError(
+                f"message {i} ({role}) has no string 'content'"
+                + (" (content may be null only with a non-empty 'tool_calls' list)" if role == "assistant" else "")
+            )
     if answer_only(cfg) and not any(m["role"] == "assistant" for m in messages):
         raise ValueError(
             "has no assistant message: with answer-only loss nothing in it would be learned; "
             "remove it, or set data.loss_on=all"
         )
+
+
+def _tool_calls(message: dict[str, Any], index: int) -> list[Any]:
+    """The message's ``tool_calls`` (``[]``: none), each ``{"function": {"name": str, ...}, ...}``."""
+    calls = message.get("tool_calls")
+    if calls is None:
+        return []
+    if not isinstance(calls, list) or not all(
+        isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+        for c in calls
+    ):
+        raise ValueError(
+            f"message {index} has malformed 'tool_calls'; expected OpenAI-style "
+            "[{'type': 'function', 'function': {'name': ..., 'arguments': ...}}, ...]"
+        )
+    return calls
+
+
+def empty_answers(messages: list[dict[str, Any]]) -> list[int]:
+    """Indices of the assistant messages with nothing to learn: blank content and no tool calls."""
+    return [
+        i
+        for i, m in enumerate(messages)
+        if m["role"] == "assistant" and not (m.get("content") or "").strip() and not m.get("tool_calls")
+    ]
 
 
 def _chat_segments(messages: list[dict[str, Any]], tokenizer: Any) -> list[tuple[str, bool]]:
@@ -150,6 +195,14 @@ def _chat_segments(messages: list[dict[str, Any]], tokenizer: Any) -> list[tuple
         if message["role"] != "assistant":
             continue
         before, after = render(messages[:k], True), render(messages[: k + 1], False)
+        if message.get("tool_calls"):
+            plain = {key: value for key, value in message.items() if key != "tool_calls"}
+            if render([*messages[:k], plain], False) == after:  # the template ignores tool_calls
+                raise ValueError(
+                    f"message {k} (assistant) has tool calls, but the chat template of {tokenizer.name} does not "
+                    "render them (the turn renders the same without its 'tool_calls'); use a tokenizer whose chat "
+                    "template supports tool calls, or remove the tool-call turns"
+                )
         if not (full.startswith(after) and after.startswith(before) and len(before) >= done):
             raise ValueError(
                 f"the chat template renders turn {k} differently once later turns follow, so its answer span "

@@ -24,15 +24,27 @@ from nemo_automodel.components.datasets.formats import (
     Document,
     FormatStats,
     check_record,
+    empty_answers,
     fit_conversation,
     record_to_document,
     with_eos,
 )
 from nemo_automodel.components.datasets.packing import PackedData, PackedRows, pack_documents
-from nemo_automodel.components.datasets.sources import read_records, resolve_files
+from nemo_automodel.components.datasets.sources import RecordLimit, read_records, resolve_files
 from nemo_automodel.components.datasets.synthetic import synthetic_documents
 
 logger = logging.getLogger("nemo_automodel.finetune")
+# A data phase (reading, tokenizing, packing) shows a progress bar on stderr once it has run this long.
+PROGRESS_AFTER_S = 3.0
+
+
+def progress(items: Iterable[Any], what: str, show: bool, total: int | None = None) -> Any:
+    """``items`` with a progress bar ``data: <what>`` that appears after :data:`PROGRESS_AFTER_S` (``show``: rank 0)."""
+    from tqdm import tqdm
+
+    return tqdm(
+        items, desc=f"data: {what}", total=total, delay=PROGRESS_AFTER_S, mininterval=1.0, leave=False, disable=not show
+    )
 
 
 def eos_for(cfg: DataConfig, tokenizer: Any) -> int | None:
@@ -48,9 +60,11 @@ def eos_for(cfg: DataConfig, tokenizer: Any) -> int | None:
 
 
 def to_documents(
-    cfg: DataConfig, records: Iterable[tuple[str, dict[str, Any]]], tokenizer: Any
+    cfg: DataConfig, records: Iterable[tuple[str, dict[str, Any] | None]], tokenizer: Any, show: bool = False
 ) -> tuple[list[Document], FormatStats]:
     """Checked records as documents with EOS; chat/instruction rows fitted to ``seq_len`` per the policy.
+
+    A ``None`` record is one over ``data.max_record_bytes`` that was dropped unread (counted).
 
     Raises:
         ValueError: naming the row, for a record the format or the length policy rejects.
@@ -60,8 +74,16 @@ def to_documents(
         tokenizer.render_chat([], add_generation_prompt=False)  # raises the no-template error, before any row
     docs: list[Document] = []
     stats = FormatStats()
-    for where, record in records:
+    total = len(records) if isinstance(records, list) else None
+    for where, record in progress(records, "rendering and tokenizing", show, total):
         stats.records += 1
+        if record is None:
+            stats.too_large += 1
+            if len(stats.too_large_rows) < 3:
+                stats.too_large_rows.append(where)
+            continue
+        if cfg.source == "chat":
+            _count_empty_answers(cfg, record[cfg.messages_field], where, stats)
         try:
             doc = record_to_document(cfg, record, tokenizer)
         except ValueError as exc:
@@ -88,14 +110,35 @@ def to_documents(
         else:
             stats.cut += 1
             docs.append(fitted)
+    if stats.empty_answers:
+        logger.warning(
+            "data: %d assistant answers are empty (e.g. %s): the model learns to end its turn there; fill them in "
+            "or remove them, or set data.empty_answers=error to refuse them",
+            stats.empty_answers,
+            ", ".join(stats.empty_answer_rows[:3]),
+        )
     return docs, stats
+
+
+def _count_empty_answers(cfg: DataConfig, messages: list[dict[str, Any]], where: str, stats: FormatStats) -> None:
+    """Count a conversation's empty assistant answers, or refuse the first under ``data.empty_answers=error``."""
+    empty = empty_answers(messages)
+    if empty and cfg.empty_answers == "error":
+        raise ValueError(
+            f"{where}: message {empty[0]} (assistant) is empty: the model would learn to end its turn at once; "
+            "fill it in or remove the row, or set data.empty_answers=warn to train on it"
+        )
+    stats.empty_answers += len(empty)
+    if empty and len(stats.empty_answer_rows) < 3:
+        stats.empty_answer_rows.append(where)
 
 
 def _records(cfg: DataConfig, path: str, split: str | None, field: str, scratch: Path):
     if cfg.source == "synthetic":
         return (("synthetic", {cfg.text_field: t}) for t in synthetic_documents(cfg))
     files = resolve_files(path, split, field)
-    return read_records(files, scratch, lambda record: check_record(cfg, record), field)
+    limit = RecordLimit(cfg.max_record_bytes, cfg.long_records)
+    return read_records(files, scratch, lambda record: check_record(cfg, record), limit, field)
 
 
 def _hold_out(docs: list[Document], fraction: float, seed: int) -> tuple[list[Document], list[Document]]:
@@ -113,35 +156,44 @@ def _hold_out(docs: list[Document], fraction: float, seed: int) -> tuple[list[Do
 def _require_documents(cfg: DataConfig, docs: list[Document], stats: FormatStats, what: str) -> None:
     """Say why nothing is left (e.g. every record too long) before anything else is done with no documents."""
     if not docs:
-        raise ValueError(
-            f"{what}: no documents left ({stats.summary(cfg.seq_len)}); raise data.seq_len or check the data"
-        )
+        raise ValueError(f"{what}: no documents left ({stats.summary(cfg)}); raise data.seq_len or check the data")
 
 
-def _pack(cfg: DataConfig, docs: list[Document], stats: FormatStats, tokenizer: Any, what: str) -> PackedRows:
+def _pack(
+    cfg: DataConfig, docs: list[Document], stats: FormatStats, tokenizer: Any, what: str, show: bool
+) -> PackedRows:
     _require_documents(cfg, docs, stats, what)
-    rows = pack_documents(docs, cfg.seq_len, cfg.packing_algorithm, tokenizer.pad_id, cfg.seed, cfg.long_documents)
+    rows = pack_documents(
+        docs,
+        cfg.seq_len,
+        cfg.packing_algorithm,
+        tokenizer.pad_id,
+        cfg.seed,
+        cfg.long_documents,
+        lambda lengths: progress(lengths, f"packing {what}", show, len(lengths)),
+    )
     if not bool((rows.labels != -100).any()):
         raise ValueError(f"{what}: no token carries loss; check data.loss_on and the data")
     return rows
 
 
-def prepare_data(cfg: DataConfig, tokenizer: Any, scratch: Path | None = None) -> PackedData:
+def prepare_data(cfg: DataConfig, tokenizer: Any, scratch: Path | None = None, show: bool = True) -> PackedData:
     """Read (or generate), convert, tokenize and pack the training and validation data (no cache).
 
     Args:
         cfg: The data section.
         tokenizer: A :class:`~nemo_automodel.components.datasets.tokenizer.TextTokenizer`.
         scratch: Scratch space for ``datasets``' Arrow copies (``None``: a temporary directory).
+        show: Progress bars for phases longer than :data:`PROGRESS_AFTER_S` (rank 0 only in a job).
 
     Raises:
         ValueError: naming the field, file and row of bad data.
     """
     with tempfile.TemporaryDirectory(dir=scratch) as tmp:
-        records = list(_records(cfg, cfg.path or "", cfg.split, "data.path", Path(tmp)))
+        records = list(progress(_records(cfg, cfg.path or "", cfg.split, "data.path", Path(tmp)), "reading", show))
         if not records:
             raise ValueError(f"data.path={cfg.path}: no documents found (expected one JSON object per line / row)")
-        docs, stats = to_documents(cfg, records, tokenizer)
+        docs, stats = to_documents(cfg, records, tokenizer, show)
         _require_documents(cfg, docs, stats, "data")  # not "holds out 1 of 0 documents" when all were dropped
         held: list[Document] | None = None
         held_stats = stats
@@ -150,14 +202,14 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, scratch: Path | None = None) -
             docs, held = _hold_out(docs, fraction, cfg.seed)
         elif cfg.validation is not None:
             val_records = _records(cfg, cfg.validation, None, "data.validation", Path(tmp))
-            held, held_stats = to_documents(cfg, val_records, tokenizer)
-    train = _pack(cfg, docs, stats, tokenizer, "data")
-    validation = None if held is None else _pack(cfg, held, held_stats, tokenizer, "data.validation")
-    summary = f"{stats.summary(cfg.seq_len)}; {len(docs)} training documents"
+            held, held_stats = to_documents(cfg, val_records, tokenizer, show)
+    train = _pack(cfg, docs, stats, tokenizer, "data", show)
+    validation = None if held is None else _pack(cfg, held, held_stats, tokenizer, "data.validation", show)
+    summary = f"{stats.summary(cfg)}; {len(docs)} training documents"
     if held is not None:
         summary += f", {len(held)} validation documents"
         if held_stats is not stats:
-            summary += f" (validation file: {held_stats.summary(cfg.seq_len)})"
+            summary += f" (validation file: {held_stats.summary(cfg)})"
     return PackedData(train, validation, summary)
 
 
@@ -171,7 +223,7 @@ def load_data(cfg: DataConfig, tokenizer: Any, is_main: bool, store: Any) -> Pac
         store: The job's c10d store (rank 0 posts the outcome there; the others wait for it).
     """
     if cfg.source == "synthetic":
-        return prepare_data(cfg, tokenizer)
+        return prepare_data(cfg, tokenizer, show=is_main)
     return DataCache.for_config(cfg, tokenizer).load(
         lambda scratch: prepare_data(cfg, tokenizer, scratch), is_main, store
     )

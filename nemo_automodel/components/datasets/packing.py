@@ -20,9 +20,11 @@ Every row carries what block-diagonal CP needs, all ``[N, S]``:
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import chain
+from typing import Any
 
 import numpy as np
 import torch
@@ -71,6 +73,9 @@ def fit_to_row(documents: Sequence[Document], seq_len: int, long_documents: str)
     """Drop empty documents; ``split`` longer ones into ``seq_len`` chunks (each its own document) or ``truncate``."""
     fitted: list[Document] = []
     for doc in documents:
+        if len(doc.ids) <= seq_len:  # most documents: kept as they are (no copy)
+            fitted.extend([doc] if doc.ids else [])
+            continue
         if long_documents == "truncate":
             chunks = [_chunk(doc, 0, seq_len)]
         else:
@@ -134,13 +139,18 @@ def pack_order(lengths: list[int], algorithm: str, seed: int) -> list[int]:
     return order
 
 
-def assign_to_rows(lengths: list[int], seq_len: int, algorithm: str, seed: int) -> list[list[int]]:
+def assign_to_rows(
+    lengths: list[int], seq_len: int, algorithm: str, seed: int, progress: Callable[[list[int]], Any] | None = None
+) -> list[list[int]]:
     """Document indices per row (the bins of NeMo's ``algorithm``, module docstring).
+
+    ``progress(order)`` may wrap the lengths fed to first fit (a sized iterable: a progress bar).
 
     Bins hold *lengths*; documents of equal length are interchangeable, so each length is mapped back
     to the next unused document of that length (in corpus order, hence deterministic).
     """
-    bins = first_fit(pack_order(lengths, algorithm, seed), seq_len)
+    order = pack_order(lengths, algorithm, seed)
+    bins = first_fit(order if progress is None else progress(order), seq_len)
     by_length: dict[int, deque[int]] = defaultdict(deque)
     for index, n in enumerate(lengths):
         by_length[n].append(index)
@@ -154,10 +164,11 @@ def pack_documents(
     pad_id: int,
     seed: int,
     long_documents: str = "split",
+    progress: Callable[[list[int]], Any] | None = None,
 ) -> PackedRows:
     """Pack documents (or plain token lists: every token a target) into ``[N, seq_len]`` rows.
 
-    See the module docstring for the fields.
+    See the module docstring for the fields; ``progress`` as in :func:`assign_to_rows`.
 
     Raises:
         ValueError: when no document has a token.
@@ -165,24 +176,52 @@ def pack_documents(
     docs = fit_to_row([d if isinstance(d, Document) else Document(list(d)) for d in documents], seq_len, long_documents)
     if not docs:
         raise ValueError("data: every document is empty after tokenization; nothing to train on")
-    rows = assign_to_rows([len(d.ids) for d in docs], seq_len, algorithm, seed)
+    rows = assign_to_rows([len(d.ids) for d in docs], seq_len, algorithm, seed, progress)
+    return fill_rows(docs, rows, seq_len, pad_id)
+
+
+def fill_rows(docs: Sequence[Document], rows: list[list[int]], seq_len: int, pad_id: int) -> PackedRows:
+    """The ``[N, seq_len]`` fields for ``rows`` (document indices per row, each row's documents fitting ``seq_len``).
+
+    Vectorized over every token at once: the tokens of all documents in row order are one flat ``[T]`` tensor,
+    scattered to ``row * seq_len + offset`` (``benchmarks/packing.py --fill`` compares it with the per-document loop
+    it replaced; what remains is mostly reading the documents' Python token lists).
+    """
+    order = [index for members in rows for index in members]
+    lengths = np.array([len(docs[i].ids) for i in order], np.int64)  # [D], documents in row order
+    row_of_doc = np.repeat(np.arange(len(rows)), [len(members) for members in rows])
+    doc_number = np.array([n for members in rows for n in range(1, len(members) + 1)], np.int64)
+    ends = np.cumsum(lengths)
+    first = ends - lengths  # [D], each document's first token in the flat order
+    start_in_row = first - first[doc_number == 1][row_of_doc]  # minus its row's first document's
+    total = int(ends[-1]) if len(order) else 0
+    ids = torch.from_numpy(np.fromiter(chain.from_iterable(docs[i].ids for i in order), np.int64, total))
+    every = [True] * max(lengths, default=0)  # the targets of a document without targets: all of them
+    targets = np.fromiter(
+        chain.from_iterable(every[: len(docs[i].ids)] if docs[i].targets is None else docs[i].targets for i in order),
+        np.bool_,
+        total,
+    )
+    flat = np.arange(total)
+    position = torch.from_numpy(flat - np.repeat(first, lengths))  # [T], offset within its document
+    destination = torch.from_numpy(flat + np.repeat(row_of_doc * seq_len + start_in_row - first, lengths))
+    # labels[t] = ids[t + 1] when token t + 1 is a target of the same document (a last token's successor is
+    # another document, or padding)
+    keep = np.append(targets[1:], False)
+    keep[ends - 1] = False
+    successors = torch.where(
+        torch.from_numpy(keep), torch.cat([ids[1:], ids.new_full((1,), IGNORE_INDEX)]), IGNORE_INDEX
+    )
     shape = (len(rows), seq_len)
     input_ids = torch.full(shape, pad_id, dtype=torch.long)
     labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
     position_ids = torch.zeros(shape, dtype=torch.long)
     seq_ids = torch.zeros(shape, dtype=torch.long)
-    for r, members in enumerate(rows):
-        start = 0
-        for doc_number, index in enumerate(members, start=1):
-            tokens = torch.tensor(docs[index].ids, dtype=torch.long)
-            end = start + len(tokens)
-            input_ids[r, start:end] = tokens
-            successors = tokens[1:]  # the last token's successor is another document
-            if docs[index].targets is not None:
-                keep = torch.tensor(docs[index].targets[1:], dtype=torch.bool)
-                successors = torch.where(keep, successors, torch.full_like(successors, IGNORE_INDEX))
-            labels[r, start : end - 1] = successors
-            position_ids[r, start:end] = torch.arange(len(tokens))
-            seq_ids[r, start:end] = doc_number
-            start = end
+    for field, values in (
+        (input_ids, ids),
+        (labels, successors),
+        (position_ids, position),
+        (seq_ids, torch.from_numpy(np.repeat(doc_number, lengths))),
+    ):
+        field.view(-1)[destination] = values
     return PackedRows(input_ids, labels, position_ids, seq_ids)
