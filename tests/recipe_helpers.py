@@ -7,6 +7,7 @@ import os
 import string
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from nemo_automodel.components.config.schema import to_finetune_config
 from nemo_automodel.components.distributed.blockdiag_cp import make_cp_blockdiag_batch_and_ctx
 from nemo_automodel.components.distributed.parallel import resolve_topology
 from nemo_automodel.components.models.causal_lm import build_causal_lm
+from nemo_automodel.components.training.loss import token_ce_sum
 from nemo_automodel.recipes.finetune import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,6 +100,25 @@ def packed_logits(route: str, rows: list[dict[str, torch.Tensor]], kv_exchange: 
         dist.all_gather(gathered, logits.contiguous())
         out.append(torch.cat(gathered)[: layout.original_seq_len])
     return out
+
+
+def per_document_loss(model: torch.nn.Module, rows: Iterable[dict[str, torch.Tensor]]) -> float:
+    """Mean CE over every label token of ``rows``, each document alone through ``model`` (no packing, no CP).
+
+    Each row holds ``input_ids``/``labels``/``_packed_seq_ids`` of shape ``[1, S]``; document 0 is padding.
+    """
+    ce, tokens = 0.0, 0
+    with torch.no_grad():
+        for row in rows:
+            for doc in row["_packed_seq_ids"].unique().tolist():
+                if doc == 0:
+                    continue
+                where = row["_packed_seq_ids"][0] == doc
+                ids, labels = row["input_ids"][:, where], row["labels"][:, where]
+                logits = model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None]).logits
+                ce += token_ce_sum(logits, labels).item()
+                tokens += int((labels != -100).sum())
+    return ce / tokens
 
 
 def run_recipe(args: list[str], timeout: float = 240, **popen: Any) -> subprocess.CompletedProcess[str]:

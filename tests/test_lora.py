@@ -20,11 +20,10 @@ from nemo_automodel.components.config.schema import DataConfig, PeftConfig, Toke
 from nemo_automodel.components.datasets.loader import prepare_data
 from nemo_automodel.components.datasets.tokenizer import build_tokenizer
 from nemo_automodel.components.distributed.parallel import resolve_topology
-from nemo_automodel.components.training.loss import token_ce_sum
 from nemo_automodel.recipes.finetune import train
 from nemo_automodel.recipes.lora import check_quantize
 from tests.families import FAMILIES
-from tests.recipe_helpers import TINY_DATA, read_metrics, save_chat_model, tiny_config
+from tests.recipe_helpers import TINY_DATA, per_document_loss, read_metrics, save_chat_model, tiny_config
 
 STEPS = 8
 LORA = {"method": "lora", "r": 4, "alpha": 8.0}
@@ -208,23 +207,6 @@ def test_resume_is_bitwise_and_checkpoints_hold_only_the_adapters(runs):
     assert record["path"] == str(runs["resumed"][0] / "base")
 
 
-def _per_document_loss(model: torch.nn.Module, rows: Any) -> float:
-    """Mean CE over every label token of ``rows``, each document alone through ``model`` (no packing, no CP)."""
-    ce, tokens = 0.0, 0
-    with torch.no_grad():
-        for index in range(len(rows)):
-            row = rows.row(index)
-            for doc in row["_packed_seq_ids"].unique().tolist():
-                if doc == 0:
-                    continue
-                where = row["_packed_seq_ids"][0] == doc
-                ids, labels = row["input_ids"][:, where], row["labels"][:, where]
-                logits = model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None]).logits
-                ce += token_ce_sum(logits, labels).item()
-                tokens += int((labels != -100).sum())
-    return ce / tokens
-
-
 def test_adapter_loads_in_peft_and_reproduces_the_runs_validation_loss(runs):
     """The PEFT-format adapter on the saved base gives the loss the cp=2 run measured with its trained model."""
     from peft import PeftModel
@@ -235,9 +217,10 @@ def test_adapter_loads_in_peft_and_reproduces_the_runs_validation_loss(runs):
     assert config["base_model_name_or_path"] == str(run_dir / "base") and config["r"] == LORA["r"]
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(run_dir / "base"), run_dir / "adapter")
     data = prepare_data(DataConfig(**TINY_DATA, validation="0.1"), build_tokenizer(TokenizerConfig(), None))
-    loss = _per_document_loss(model.eval(), data.validation)
+    validation = [data.validation.row(index) for index in range(len(data.validation))]
+    loss = per_document_loss(model.eval(), validation)
     assert abs(loss - metrics[STEPS]["val_loss"]) <= 1e-5 * loss
-    base_only = _per_document_loss(AutoModelForCausalLM.from_pretrained(run_dir / "base").eval(), data.validation)
+    base_only = per_document_loss(AutoModelForCausalLM.from_pretrained(run_dir / "base").eval(), validation)
     assert base_only > loss * 1.05, "the adapter must matter for this check to bite"
 
 

@@ -21,8 +21,7 @@ from nemo_automodel.components.config.schema import DataConfig, ModelConfig, Tok
 from nemo_automodel.components.datasets.loader import RowSchedule, prepare_data
 from nemo_automodel.components.datasets.tokenizer import build_tokenizer
 from nemo_automodel.components.models.causal_lm import build_causal_lm
-from nemo_automodel.components.training.loss import token_ce_sum
-from tests.recipe_helpers import train_in_pool
+from tests.recipe_helpers import per_document_loss, train_in_pool
 
 STEPS = 4
 GRAD_ACCUM = 2
@@ -98,19 +97,8 @@ def _first_step_reference_loss(path: Path, drop_variants: bool = False) -> float
         if hasattr(config, "attn_logit_softcapping"):
             config.attn_logit_softcapping = None
     model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float64, attn_implementation="eager")
-    ce, tokens = 0.0, 0
-    with torch.no_grad():
-        for micro in range(GRAD_ACCUM):
-            row = dataset.row(schedule.row_index(0, micro, 0))
-            for doc in row["_packed_seq_ids"].unique().tolist():
-                if doc == 0:
-                    continue
-                where = row["_packed_seq_ids"][0] == doc
-                ids, labels = row["input_ids"][:, where], row["labels"][:, where]
-                logits = model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None]).logits
-                ce += token_ce_sum(logits, labels).item()
-                tokens += int((labels != -100).sum())
-    return ce / tokens
+    rows = (dataset.row(schedule.row_index(0, micro, 0)) for micro in range(GRAD_ACCUM))
+    return per_document_loss(model, rows)
 
 
 @pytest.fixture(scope="module")

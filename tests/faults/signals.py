@@ -38,6 +38,23 @@ def _firing(config: dict[str, Any]) -> Callable[[], None]:
     return fire
 
 
+def _always(*args: Any, **kwargs: Any) -> bool:
+    return True
+
+
+def _signal_before(owner: Any, name: str, fire: Callable[[], None], when: Callable[..., bool]) -> None:
+    """Replace ``owner.<name>`` by a wrapper that calls ``fire()`` first whenever ``when(*args, **kwargs)`` holds."""
+    real = getattr(owner, name)
+
+    @functools.wraps(real)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if when(*args, **kwargs):
+            fire()
+        return real(*args, **kwargs)
+
+    setattr(owner, name, wrapper)
+
+
 def install_from_env(spec: str) -> None:
     """Wrap the function of the phase named in ``spec`` (module docstring) so it signals first."""
     from torch.distributed import checkpoint as torch_dcp
@@ -48,43 +65,14 @@ def install_from_env(spec: str) -> None:
     config = json.loads(spec)
     fire = _firing(config)
     phase = config["phase"]
-    if phase == "step":
-        real_step = step_module.train_step
-
-        @functools.wraps(real_step)
-        def train_step(*args: Any, **kwargs: Any) -> Any:
-            if args[5] == config["step"]:
-                fire()
-            return real_step(*args, **kwargs)
-
-        step_module.train_step = train_step
+    if phase == "step":  # train_step's sixth argument is the 1-based step
+        _signal_before(step_module, "train_step", fire, lambda *args, **kwargs: args[5] == config["step"])
     elif phase == "save":
-        real_save = torch_dcp.save
-
-        @functools.wraps(real_save)
-        def save(state_dict: Any, *, checkpoint_id: str, **kwargs: Any) -> Any:
-            if checkpoint_id.endswith(f"checkpoints/.tmp-step_{config['step']:08d}"):
-                fire()
-            return real_save(state_dict, checkpoint_id=checkpoint_id, **kwargs)
-
-        torch_dcp.save = save
+        tmp = f"checkpoints/.tmp-step_{config['step']:08d}"
+        _signal_before(torch_dcp, "save", fire, lambda *args, checkpoint_id="", **kwargs: checkpoint_id.endswith(tmp))
     elif phase == "validate":
-        real_validate = step_module.validate
-
-        @functools.wraps(real_validate)
-        def validate(*args: Any, **kwargs: Any) -> Any:
-            fire()
-            return real_validate(*args, **kwargs)
-
-        step_module.validate = validate
+        _signal_before(step_module, "validate", fire, _always)
     elif phase == "export":
-        real_export = hf_export.export_hf
-
-        @functools.wraps(real_export)
-        def export_hf(*args: Any, **kwargs: Any) -> Any:
-            fire()
-            return real_export(*args, **kwargs)
-
-        hf_export.export_hf = export_hf
+        _signal_before(hf_export, "export_hf", fire, _always)
     else:
         raise ValueError(f"NEMO_TEST_SIGNAL phase={phase!r}: expected step, save, validate or export")
