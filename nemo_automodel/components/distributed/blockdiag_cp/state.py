@@ -19,8 +19,10 @@ from nemo_automodel.components.distributed.blockdiag_cp.options import CPOptions
 
 if TYPE_CHECKING:
     from nemo_automodel.components.distributed.blockdiag_cp.cost import Shape
+    from nemo_automodel.components.distributed.blockdiag_cp.gpu_libraries import GpuLibraries
     from nemo_automodel.components.distributed.blockdiag_cp.layout import ShardPlan
     from nemo_automodel.components.distributed.blockdiag_cp.metadata import WindowPlan
+    from nemo_automodel.components.distributed.blockdiag_cp.topology import GroupHosts
     from nemo_automodel.components.distributed.blockdiag_cp.variant import PlanKey
 
 _DEFAULT_OPTIONS = CPOptions()
@@ -219,7 +221,6 @@ class StepState:
         group: The CP process group (``None`` only when ``cp_size == 1``).
         cp_rank: This rank's index in the CP group.
         cp_size: Number of CP ranks.
-        doc_ids: Replicated per-position document ids ``[B, S_full]`` in physical order (0 == pad).
         row_offset: Physical position of this rank's first local row (``cp_rank * local_len``);
             under the contiguous layout also its original position.
         local_len: Local rows per rank ``L = S_full / cp_size``.
@@ -228,6 +229,9 @@ class StepState:
         packed_cu_seqlens_cpu: The same boundaries on the host.
         positions: Original position of each local row ``[L]`` (device).
         options: The step's knobs (frozen).
+        hosts: Where the group's ranks run, gathered when the row was built (``None``: one rank; a
+            state built by hand without them is taken to run on one host).
+        libraries: The GPU libraries probed when the row was built (``None``: probed at the first call).
         cache: Per-step memo (per-window plans and routes, agreement, kernel).
         stats: What the calls did (path, K/V received, time blocked on exchanges).
         failures: Kernel failures recorded on this rank, settled once per step.
@@ -236,7 +240,6 @@ class StepState:
     group: dist.ProcessGroup | None
     cp_rank: int
     cp_size: int
-    doc_ids: torch.Tensor
     row_offset: int
     local_len: int
     shard_plan: ShardPlan
@@ -244,6 +247,8 @@ class StepState:
     packed_cu_seqlens_cpu: torch.Tensor
     positions: torch.Tensor
     options: CPOptions = field(default_factory=CPOptions)
+    hosts: GroupHosts | None = None
+    libraries: GpuLibraries | None = None
     cache: StepCache = field(default_factory=StepCache)
     stats: StepStats = field(default_factory=StepStats)
     failures: FailureLog = field(default_factory=FailureLog)
