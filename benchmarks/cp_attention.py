@@ -119,12 +119,13 @@ def upstream_dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
         from torch.distributed.nn.functional import all_gather
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from nemo_automodel.components.distributed.blockdiag_cp.compat import row_doc_ids
     from nemo_automodel.components.distributed.blockdiag_cp.state import current_step_state
 
     st = current_step_state()
     k_full = torch.cat(all_gather(k.contiguous(), group=st.group), dim=2)
     v_full = torch.cat(all_gather(v.contiguous(), group=st.group), dim=2)
-    ids = st.doc_ids[0]
+    ids = row_doc_ids(st)[0]
     rows = torch.arange(st.row_offset, st.row_offset + st.local_len)
     cols = torch.arange(ids.numel())
     q_ids = ids[rows]
