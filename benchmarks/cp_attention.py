@@ -150,21 +150,25 @@ def _packed_ids(work: Workload) -> torch.Tensor:
     return ids
 
 
-def _timed(block: torch.nn.Module, ctx: Any, x: torch.Tensor, work: Workload) -> tuple[list[float], list[float]]:
-    """Per timed iteration: wall time, and seconds blocked on K/V exchanges (forward + backward)."""
-    times, waits = [], []
+def _timed(
+    block: torch.nn.Module, ctx: Any, x: torch.Tensor, work: Workload
+) -> tuple[list[float], list[float], list[float]]:
+    """Per timed iteration: wall time, seconds blocked on K/V exchanges (forward + backward), and this
+    process's CPU time (less sensitive than wall time to other work on a shared machine)."""
+    times, waits, cpu = [], [], []
     for it in range(work.warmup + work.iters):
         dist.barrier()
         reset_exchange_stats()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         with ctx():
             block(x).sum().backward()
-        elapsed = time.perf_counter() - start
+        elapsed, elapsed_cpu = time.perf_counter() - start, time.process_time() - start_cpu
         stats = exchange_stats() or {}
         if it >= work.warmup:
             times.append(elapsed)
+            cpu.append(elapsed_cpu)
             waits.append(stats.get("exchange_wait_s", 0.0) + stats.get("exchange_backward_wait_s", 0.0))
-    return times, waits
+    return times, waits, cpu
 
 
 def _exchange_alone(ctx: Any, work: Workload, local_len: int, path: str, reps: int = 5) -> float:
@@ -266,8 +270,9 @@ def _worker(
             layout=combo.layout,
         )
         x = torch.randn(1, shard.local_len, work.heads * work.head_dim, requires_grad=True)
-        times, waits = _timed(block, ctx, x, work)
+        times, waits, cpu = _timed(block, ctx, x, work)
         row["times" if overlap else "times_no_overlap"] = times
+        row["cpu_times" if overlap else "cpu_times_no_overlap"] = cpu
         row["waits" if overlap else "waits_no_overlap"] = waits
     # the upstream baseline bypasses cp_blockdiag_sdpa: it all-gathers everything
     row["stats"] = exchange_stats() or {
@@ -306,6 +311,7 @@ def run_combo(
         "path": ranks[0]["stats"]["path"],
         "kernel": ranks[0]["stats"]["attn_backend"],
         "median_s": statistics.median(_slowest(ranks, "times")),
+        "median_cpu_s": statistics.median(_slowest(ranks, "cpu_times")),
         "balance": ranks[0]["balance"],
         "peak_rss_mib": [round(r["peak_rss_mib"]) for r in ranks],
         "bare_rss_mib": [round(r["bare_rss_mib"]) for r in ranks],
@@ -386,29 +392,41 @@ def run_variants(work: Workload, combo: Combo, threads: int, rounds: int) -> lis
     """Each :data:`VARIANTS` row on ``combo``, ``rounds`` times in turn; its ratio to plain causal per round.
 
     The rows of one round run back to back, so a change of machine load shifts them together; the reported
-    ratio is the median over rounds of (variant's median time / plain causal's median time in that round).
+    ratio is the median over rounds of (variant's median time / plain causal's median time in that round),
+    for wall time and for CPU time (the slowest rank's process time, which other work on a shared machine
+    disturbs less).
     """
-    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in VARIANTS}
     for _ in range(rounds):
         for name, fields in VARIANTS.items():
-            times[name].append(run_combo(replace(work, **fields), combo, threads, False)["median_s"])
-            print(f"done variant {name!r}: {times[name][-1]:.3f}s", flush=True)
-    plain = times["plain causal"]
+            runs[name].append(run_combo(replace(work, **fields), combo, threads, False))
+            print(f"done variant {name!r}: {runs[name][-1]['median_s']:.3f}s", flush=True)
+
+    def ratios(name: str, key: str) -> list[float]:
+        return [r[key] / p[key] for r, p in zip(runs[name], runs["plain causal"])]
+
     return [
         {
             "variant": name,
-            "median_s": statistics.median(samples),
-            "vs_plain": statistics.median(t / p for t, p in zip(samples, plain)),
-            "per_round": [round(t / p, 3) for t, p in zip(samples, plain)],
+            "median_s": statistics.median(r["median_s"] for r in runs[name]),
+            "vs_plain": statistics.median(ratios(name, "median_s")),
+            "per_round": [round(x, 2) for x in ratios(name, "median_s")],
+            "median_cpu_s": statistics.median(r["median_cpu_s"] for r in runs[name]),
+            "cpu_vs_plain": statistics.median(ratios(name, "median_cpu_s")),
+            "cpu_per_round": [round(x, 2) for x in ratios(name, "median_cpu_s")],
         }
-        for name, samples in times.items()
+        for name in VARIANTS
     ]
 
 
 def _variant_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| variant | median s | vs plain causal (same run) | per round |", "|---|---|---|---|"]
+    lines = [
+        "| variant | wall s | vs plain causal (per round) | CPU s | CPU vs plain causal (per round) |",
+        "|---|---|---|---|---|",
+    ]
     lines += [
-        f"| {r['variant']} | {r['median_s']:.3f} | {r['vs_plain']:.2f}x | {', '.join(map(str, r['per_round']))} |"
+        f"| {r['variant']} | {r['median_s']:.3f} | {r['vs_plain']:.2f}x ({', '.join(map(str, r['per_round']))}) "
+        f"| {r['median_cpu_s']:.3f} | {r['cpu_vs_plain']:.2f}x ({', '.join(map(str, r['cpu_per_round']))}) |"
         for r in rows
     ]
     return "\n".join(lines)
