@@ -100,10 +100,6 @@ def test_one_pack_and_one_unpack_per_call_on_two_ranks(pools, kernel):
     problems = []
     windows = (None, 6) if kernel == "torch_varlen" else (None,)
     for (name, exchange, shard_layout), token_major, window in itertools.product(CP_CASES, (True, False), windows):
-        if window is not None and not token_major:
-            # known second pack: head-major queries are packed to THD, then copied into the square rows of
-            # torch_varlen's windowed segments with earlier keys (docs/performance.md); token-major ones once
-            continue
         ids = layout(name, 2)
         results = pools.get(2).run_ok(count_call, ids, kernel, exchange, shard_layout, token_major, window)
         for rank, counts in enumerate(results):

@@ -1,8 +1,9 @@
 """GPU varlen kernels: one library call (or, for the boundary guard, a few) per group of segments.
 
 Each kernel takes the libraries' own token-major (THD) format: the real queries
-``q [n_real, Hq, D]`` and packed keys/values ``k [K, Hkv, D]``, ``v [K, Hkv, Dv]``
-(contiguous) described by a :class:`~.metadata.VarlenMeta`, and returns the output
+``q [n_real, Hq, D]`` (possibly a strided view: the kernel packs them with at most one
+copy, straight into the rows it launches) and packed keys/values ``k [K, Hkv, D]``,
+``v [K, Hkv, Dv]`` (contiguous) described by a :class:`~.metadata.VarlenMeta`, and returns the output
 ``[n_real, Hq, Dv]`` as row pieces (:data:`Pieces`: one per library call, in row order),
 which the caller writes once to where the model reads them (:mod:`.kernel_io`).
 What each library can run is decided in :mod:`.gpu_libraries` from facts probed once;
@@ -329,7 +330,7 @@ def _flash_family(
         seqlens = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "max_seqlen_q": max_q, "max_seqlen_k": max_k}
         return _first(functions.varlen(qs, ks, vs, **seqlens, **options))
 
-    return boundary_guarded(q, k, v, meta, fixed, varlen)
+    return boundary_guarded(q.contiguous(), k, v, meta, fixed, varlen)
 
 
 def _flash_library(
@@ -436,7 +437,7 @@ def torch_varlen(
 
     if meta.window is not None:
         return _square_windowed(q, k, v, meta, varlen)
-    return boundary_guarded(q, k, v, meta, fixed, varlen)
+    return boundary_guarded(q.contiguous(), k, v, meta, fixed, varlen)
 
 
 @dataclass(frozen=True)
@@ -478,10 +479,11 @@ def _square_windowed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Va
     ``r`` sees keys ``[r - W + 1, r]``; the real row ``a`` sits at ``r = k - q + a``,
     its bottom-right window. Dummy rows' outputs are dropped, so their gradient is
     zero and they contribute nothing to dK/dV. The real rows go in with one
-    ``index_copy`` and come out as views (one piece per run of real rows).
+    ``index_copy`` (from a strided ``q`` too: the query's only pack) and come out as
+    views (one piece per run of real rows).
     """
     if all(q_len == k_len for q_len, k_len in zip(meta.q_lens, meta.k_lens)):
-        return (varlen(q, k, v, meta.cu_q, meta.cu_k, meta.max_q, meta.max_k),)
+        return (varlen(q.contiguous(), k, v, meta.cu_q, meta.cu_k, meta.max_q, meta.max_k),)
     rows = square_rows(meta)
     square = q.new_zeros(rows.total, *q.shape[1:]).index_copy_(0, rows.real, q)
     out = varlen(square, k, v, meta.cu_k, meta.cu_k, meta.max_k, meta.max_k)
@@ -584,6 +586,7 @@ def te(
         out = te_module(replace(key, qkv_format="bshd"), libs)(qs[None], ks[None], vs[None])
         return out.view(qs.shape[0], heads, -1)
 
+    q = q.contiguous()
     if libs_.te_guards_boundaries(libs.te, libs.device, call):
         return boundary_guarded(q, k, v, meta, fixed, varlen)
     return (varlen(q, k, v, meta.cu_q, meta.cu_k, meta.max_q, meta.max_k),)
