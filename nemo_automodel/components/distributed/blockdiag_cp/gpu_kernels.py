@@ -53,9 +53,25 @@ _TORCH_SDPA = F.scaled_dot_product_attention
 
 
 def reset_caches() -> None:
-    """Forget every probe and TE module (tests that swap packages in and out)."""
+    """Forget every probe, TE module and per-call verdict (tests that swap packages in and out)."""
     libs_.reset_probes()
     _TE_MODULES.clear()
+    _VERDICTS.clear()
+
+
+# Host verdicts every layer of a step would otherwise recompute (variant re-checks, TE's backend):
+# (what, kernel, the call's facts, the libraries) -> the verdict.
+_VERDICTS: dict[tuple[Any, ...], Any] = {}
+
+
+def _once(what: str, kernel: str, call: KernelCall, libs: GpuLibraries, compute: Callable[[], Any]) -> Any:
+    """``compute()`` once per kind of verdict, kernel, call shape, variant and probed libraries."""
+    v = call.variant
+    shape = (call.dtype, call.head_dim, call.value_head_dim, call.dropout_p)
+    key = (what, kernel, shape, v.window, v.chunk, v.softcap, v.sinks is not None, v.source, libs)
+    if key not in _VERDICTS:
+        _VERDICTS[key] = compute()
+    return _VERDICTS[key]
 
 
 # ---------------------------------------------------------------------------
@@ -348,7 +364,8 @@ def _flash_library(
     facts, variant_check = (
         (libs.flash, flash_variant_problem) if library == "flash" else (libs.fa3, fa3_variant_problem)
     )
-    _require(None if variant.plain else variant_check(_call_of(q, v, dropout_p, variant), libs))
+    call = _call_of(q, v, dropout_p, variant)
+    _require(None if variant.plain else _once("variant", library, call, libs, lambda: variant_check(call, libs)))
     if library == "fa3" and dropout_p > 0:
         raise ValueError("fa3 has no dropout; attn_backend='fa3' needs dropout_p=0")
     _require(facts.problem)
@@ -406,7 +423,9 @@ def torch_varlen(
     windowed ones are made square by :func:`_square_windowed`.
     """
     libs = probe_gpu_libraries(q.device)
-    _require(torch_varlen_variant_problem(_call_of(q, v, dropout_p, variant), libs) if not variant.plain else None)
+    call = _call_of(q, v, dropout_p, variant)
+    check = lambda: torch_varlen_variant_problem(call, libs)  # noqa: E731
+    _require(None if variant.plain else _once("variant", "torch_varlen", call, libs, check))
     if dropout_p > 0:
         raise ValueError("torch_varlen has no dropout; attn_backend='torch_varlen' needs dropout_p=0")
     _require(libs.torch_varlen.problem)
@@ -562,7 +581,7 @@ def te(
     """
     libs = probe_gpu_libraries(q.device)
     call = _call_of(q, v, dropout_p, variant)
-    _require(te_variant_problem(call, libs) if not variant.plain else None)
+    _require(None if variant.plain else _once("variant", "te", call, libs, lambda: te_variant_problem(call, libs)))
     _require(libs.te.problem)
     key = TEModuleKey(q.shape[1], k.shape[1], q.shape[2], v.shape[2], scale, dropout_p, str(q.device), meta.window)
     heads = q.shape[1]
@@ -587,6 +606,6 @@ def te(
         return out.view(qs.shape[0], heads, -1)
 
     q = q.contiguous()
-    if libs_.te_guards_boundaries(libs.te, libs.device, call):
+    if _once("guard", "te", call, libs, lambda: libs_.te_guards_boundaries(libs.te, libs.device, call)):
         return boundary_guarded(q, k, v, meta, fixed, varlen)
     return (varlen(q, k, v, meta.cu_q, meta.cu_k, meta.max_q, meta.max_k),)
