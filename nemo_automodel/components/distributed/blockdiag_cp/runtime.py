@@ -373,7 +373,7 @@ def _attend(
     token = received = None
     if state.cp_size > 1:
         op = route.new_op(state.group, state.cp_rank, state.cp_size)
-        op.after_backward = functools.partial(_after_backward, state, op, recorder, query.device)
+        op.after_backward = functools.partial(_after_backward, state, recorder, query.device)
         token = exchange.post(exchange.send_buffer(key, value, local, route.send_chunks), op)
         if not state.options.overlap:
             received = exchange.wait(token, op)
@@ -405,7 +405,7 @@ def _attend(
     return out
 
 
-def _after_backward(state: StepState, op: ExchangeOp, recorder: CallRecorder, device: torch.device) -> None:
+def _after_backward(state: StepState, recorder: CallRecorder, device: torch.device, op: ExchangeOp) -> None:
     """Runs when a layer's reverse exchange completed: account its wait (and, per call, agree on failures)."""
     state.stats.exchange_backward_wait_s += op.backward_wait_s
     if state.options.consensus == "call":
