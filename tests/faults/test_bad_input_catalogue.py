@@ -56,9 +56,9 @@ from nemo_automodel.components.training.step import _check_cp_reached_attention
 from nemo_automodel.recipes import plan as recipe_plan
 from nemo_automodel.recipes.checks import check_attn_backend, check_paths, check_positions, check_run_dir
 from nemo_automodel.recipes.lora import check_quantize
-from tests.cases import cp_mesh
+from nemo_automodel.testing.cases import cp_mesh
+from nemo_automodel.testing.reference import doc_ids_from_lengths
 from tests.recipe_helpers import CHAT_TEMPLATE, REPO, save_chat_tokenizer
-from tests.reference import doc_ids_from_lengths
 
 CATALOGUE = REPO / "docs" / "bad_inputs.md"
 ROW = re.compile(r"^\| `(?P<id>[a-z0-9-]+)` \| (?P<input>.+?) \| `(?P<error>\w+)` \| `(?P<message>[^`]+)` \|$")

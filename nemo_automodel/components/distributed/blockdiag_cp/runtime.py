@@ -32,7 +32,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from nemo_automodel.components.distributed.blockdiag_cp import consensus, cost, exchange, kernels, outside
+from nemo_automodel.components.distributed.blockdiag_cp import (
+    consensus,
+    cost,
+    exchange,
+    kernel_io,
+    kernels,
+    outside,
+)
 from nemo_automodel.components.distributed.blockdiag_cp import state as state_module
 from nemo_automodel.components.distributed.blockdiag_cp.consensus import CallRecorder, group_size
 from nemo_automodel.components.distributed.blockdiag_cp.exchange import ExchangeOp, KVPlan, Route
@@ -352,29 +359,15 @@ def _run_group(
     dropout_p: float,
     variant: AttentionVariant,
 ) -> torch.Tensor:
-    """Guarded kernel call on the group's rows ``query [1, Hq, n_rows, D]`` over its packed ``[1, Hkv, K, D]`` keys."""
+    """Guarded kernel call on the group's queries and packed keys/values, in the kernel's format."""
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *sinks: torch.Tensor) -> torch.Tensor:
         # the guard hands in its own (detached) sinks: their gradient flows through it
         call_variant = dataclasses.replace(variant, sinks=sinks[0]) if sinks else variant
-        return kernels.blockdiag_attention(kernel, q, k, v, group.meta, scale, dropout_p, call_variant)
+        return kernels.attend_packed(kernel, q, k, v, group.meta, scale, dropout_p, call_variant)
 
     describe = f"kernel={kernel} {group.label}"
     return consensus.guarded(attend, recorder, describe, query, key, value, *variant.tensors)
-
-
-def _query_parts(plan: WindowPlan, query: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Each group's query rows ``[1, Hq, n_g, D]`` and the padding rows, in group order.
-
-    One ``split`` when every group's rows are contiguous (they then tile the
-    real rows in order): autograd fills one zero gradient for it, not one per slice.
-    """
-    n_real = plan.segments.n_real
-    if all(isinstance(group.rows, tuple) for group in plan.groups):
-        sizes = [group.rows[1] - group.rows[0] for group in plan.groups]
-        parts = query.split([*sizes, query.shape[2] - n_real], dim=2)
-        return list(parts[:-1]), parts[-1]
-    return [group.take_rows(query) for group in plan.groups], query[:, :, n_real:]
 
 
 def _attend(
@@ -392,38 +385,42 @@ def _attend(
 ) -> torch.Tensor:
     """Exchange K/V and attend every group; local-key groups run while the exchange is in flight.
 
+    Queries, keys and values are packed once into the kernel's format and every group's
+    output is written once into the returned tensor (:mod:`.kernel_io`).
+
     Returns:
-        ``[1, Hq, L, Dv]`` in local row order; padding rows are zero.
+        ``[1, Hq, L, Dv]`` in local row order (a view of a token-major buffer); padding rows are zero.
     """
+    layout = kernels.KERNELS[kernel].layout
     local = (key.split(route.local_cuts, dim=2), value.split(route.local_cuts, dim=2))
     op: ExchangeOp | None = None
     token = received = None
     if state.cp_size > 1:
         op = route.new_op(state.group, state.cp_rank, state.cp_size)
-        op.after_backward = functools.partial(_after_backward, state, op, recorder, query.device)
+        op.after_backward = functools.partial(_after_backward, state, recorder, query.device)
         token = exchange.post(exchange.send_buffer(key, value, local, route.send_chunks), op)
         if not state.options.overlap:
             received = exchange.wait(token, op)
     remote: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None
-    queries, padding = _query_parts(plan, query)
+    rows = [group.rows for group in plan.groups]
+    queries, padding = kernel_io.query_parts(query, rows, plan.segments.n_real, layout)
     outputs = []
     for group, q, runs in zip(plan.groups, queries, route.sources):  # local group first: needs nothing received
         if not group.local and remote is None:
             received = received if received is not None else exchange.wait(token, op)
             remote = exchange.split_received(received, key, value, route.received_cuts)
-        k = exchange.assemble(local[0], None if remote is None else remote[0], runs)
-        v = exchange.assemble(local[1], None if remote is None else remote[1], runs)
+        k, v = (
+            kernel_io.pack_keys(exchange.chunks_in_order(mine, None if remote is None else remote[i], runs), layout)
+            for i, mine in enumerate(local)
+        )
         outputs.append(_run_group(group, q, k, v, kernel, recorder, scale, dropout_p, variant))
     if op is not None and received is None:
         received = exchange.wait(token, op)
-    parts = [] if received is None else [exchange.anchor_like(query.shape[1], value.shape[3], received)]
-    if padding.shape[2] or not outputs:
-        # keeps sinks in the graph on a rank with no real rows: its (zero) gradient is defined on every rank
-        outputs.append(kernels.zeros_attached(padding, *variant.tensors, width=value.shape[3]))
-    parts += outputs
-    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
-    if plan.merge_index is not None:
-        out = out.index_select(2, plan.merge_index)
+    # kept in the graph with zero gradients: the padding queries (every rank's query gets a gradient), the
+    # exchange (its backward runs on every rank, also one whose groups need nothing received) and the sinks
+    deps = [padding, *([] if received is None else [exchange.anchor_like(1, 1, received)]), *variant.tensors]
+    shape = (query.shape[2], query.shape[1], value.shape[3])
+    out = kernel_io.unpack(outputs, rows, layout, query, shape, *deps)
     if op is not None:
         state.stats.exchange_wait_s += op.wait_s
         state.stats.exchange_calls += 1
@@ -432,7 +429,7 @@ def _attend(
     return out
 
 
-def _after_backward(state: StepState, op: ExchangeOp, recorder: CallRecorder, device: torch.device) -> None:
+def _after_backward(state: StepState, recorder: CallRecorder, device: torch.device, op: ExchangeOp) -> None:
     """Runs when a layer's reverse exchange completed: account its wait (and, per call, agree on failures)."""
     state.stats.exchange_backward_wait_s += op.backward_wait_s
     if state.options.consensus == "call":

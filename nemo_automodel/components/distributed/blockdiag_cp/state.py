@@ -34,7 +34,7 @@ def configure_cp_varlen(
     kv_exchange: str | None = None,
     layout: str | None = None,
     overlap: bool = True,
-    check_finite: bool = True,
+    check_finite: bool = False,
     consensus: str | None = None,
 ) -> None:
     """Set the process default :class:`CPOptions` for callers that pass no options to the batch builder.
@@ -49,7 +49,7 @@ def configure_cp_varlen(
         layout: ``contiguous``, ``balanced`` or ``auto`` (``None`` -> ``contiguous``).
         overlap: Compute local-key segments while the K/V exchange is in flight.
         check_finite: Record, without a host sync, whether every call's q/k/v are finite
-            (read once per step with ``nonfinite_attention_inputs``).
+            (read once per step with ``nonfinite_attention_inputs``; off by default, see :class:`CPOptions`).
         consensus: ``step`` (default) or ``call`` (see :class:`CPOptions`).
     """
     global _DEFAULT_OPTIONS
