@@ -18,9 +18,9 @@ from nemo_automodel.components.distributed.blockdiag_cp import CPOptions
 from nemo_automodel.components.distributed.parallel import Meshes
 from nemo_automodel.components.models.causal_lm import build_causal_lm
 from nemo_automodel.components.training.step import StepSetup, train_step
+from nemo_automodel.testing.reference import doc_ids_from_lengths
 from nemo_automodel.testing.syncs import count_syncs
 from tests.recipe_helpers import TINY_MODEL
-from tests.reference import doc_ids_from_lengths
 
 SEQ = 48
 
@@ -68,7 +68,7 @@ def _rows_disagree(lengths_of_rows: dict[int, list[list[int]]]) -> tuple[str | N
         make_cp_blockdiag_batch_and_ctx,
         reset_cp_attn_fire_count,
     )
-    from tests.cases import cp_mesh
+    from nemo_automodel.testing.cases import cp_mesh
 
     agreement, mesh = StepAgreement(), cp_mesh()
     contexts = []
