@@ -60,7 +60,7 @@ from nemo_automodel.components.launcher.local import free_port
 
 BASELINE = ("contiguous", "allgather", "dense")
 UPSTREAM = ("contiguous", "allgather", "upstream_dense")
-EXCHANGES = ("allgather", "halo", "a2a", "auto")
+EXCHANGES = ("allgather", "halo", "a2a", "ulysses", "auto")
 
 
 def sft_mix(total: int, seed: int = 0, max_len: int = 16384) -> tuple[int, ...]:
@@ -101,6 +101,8 @@ WORKLOADS = {
     "R512": Workload(512, sft_mix(512, seed=0, max_len=400), head_dim=32, iters=30),
     # One document filling the row: the contiguous layout's worst case (1 x 1 x 16 heads for CPU time).
     "DOC131K": Workload(131072, (131072,), heads=1, kv_heads=1, head_dim=16),
+    # One long document with heads to share (4/4 x 32, MHA): where head-parallel CP can compete.
+    "DOC16K": Workload(16384, (16384,), heads=4, kv_heads=4, head_dim=32, iters=3),
 }
 
 
@@ -304,7 +306,7 @@ def _worker(
         "attn_backend": combo.backend,
         "kv_tokens_received": shard.padded_seq_len - shard.local_len,
     }
-    if overlap_baseline:
+    if overlap_baseline and row["stats"]["path"] != "ulysses":  # ulysses moves heads: no K/V exchange to time alone
         row["exchange_s"] = _exchange_alone(ctx, work, shard.local_len, row["stats"]["path"])
     if efficiency and not upstream:
         with ctx() as st:
@@ -339,6 +341,12 @@ def _collect(results: Any, procs: list[Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def _bytes_received(stats: dict[str, Any]) -> int | None:
+    """Bytes one forward receives on a rank: K/V for the key exchanges; q/k/v and the output under ulysses."""
+    heads = stats.get("ulysses")
+    return heads["bytes_received"] if heads else stats.get("kv_bytes_received")
+
+
 def run_combo(
     work: Workload, combo: Combo, threads: int, overlap_baseline: bool, efficiency: bool = False
 ) -> dict[str, Any]:
@@ -354,6 +362,8 @@ def run_combo(
         p.start()
     ranks = sorted(_collect(results, procs), key=lambda r: r["rank"])
     received = [r["stats"]["kv_tokens_received"] for r in ranks]
+    # bytes one forward receives per rank: K/V for the key exchanges; q/k/v and the output for ulysses
+    moved = [_bytes_received(r["stats"]) for r in ranks]
     bounds = [r["lower_bound"] for r in ranks]
     row = {
         **asdict(combo),
@@ -364,6 +374,7 @@ def run_combo(
         "peak_rss_mib": [round(r["peak_rss_mib"]) for r in ranks],
         "bare_rss_mib": [round(r["bare_rss_mib"]) for r in ranks],
         "kv_received": received,
+        "mib_received": [None if b is None else round(b / 2**20, 2) for b in moved],
         "lower_bound": bounds,
         "received_over_bound": [
             round(a / b, 2) if b else (1.0 if a == 0 else float("inf")) for a, b in zip(received, bounds)
@@ -379,7 +390,7 @@ def run_combo(
             **{k: slowest[k] for k in ("projections_s", "attention_s", "predicted_s")},
             "ratio": slowest["predicted_s"] / measured,
         }
-    if overlap_baseline:
+    if overlap_baseline and all("exchange_s" in r for r in ranks):
         alone = max(r["exchange_s"] for r in ranks)
         row["median_no_overlap_s"] = statistics.median(_slowest(ranks, "times_no_overlap"))
         row["exchange_ms"] = 1e3 * alone
@@ -409,9 +420,9 @@ def _table(rows: list[dict[str, Any]]) -> str:
     )
     lines = [
         "| layout | kv_exchange | kernel | path | median s | vs allgather+dense | vs upstream_dense "
-        "| vs best contiguous | balance | peak RSS MiB/rank | KV recv / lower bound | exchange ms (alone) "
-        "| overlap hidden |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| vs best contiguous | balance | peak RSS MiB/rank | KV recv / lower bound | MiB recv/rank (fwd) "
+        "| exchange ms (alone) | overlap hidden |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         hidden = r.get("hidden")
@@ -420,7 +431,8 @@ def _table(rows: list[dict[str, Any]]) -> str:
             f"| {r['layout']} | {r['kv_exchange']} | {r['kernel']} | {r['path']} | {r['median_s']:.3f} "
             f"| {_speedup(rows, BASELINE, r)} | {_speedup(rows, UPSTREAM, r)} | {vs_contig} | {r['balance']:.3f} "
             f"| {r['peak_rss_mib']} | {r['kv_received']} / {r['lower_bound']} = {r['received_over_bound']} "
-            f"| {r.get('exchange_ms', float('nan')):.1f} | {'n/a' if hidden is None else f'{hidden:.0%}'} |"
+            f"| {r['mib_received']} | {r.get('exchange_ms', float('nan')):.1f} "
+            f"| {'n/a' if hidden is None else f'{hidden:.0%}'} |"
         )
     return "\n".join(lines)
 

@@ -61,17 +61,28 @@ class HeadSplit:
         """Elements per token that ``rank`` receives from every peer: its q, k and v heads ``nq D + nkv (D + Dv)``."""
         return self.n_query(rank) * head_dim + len(self.kv[rank]) * (head_dim + value_dim)
 
-    def forward_elements(self, rank: int, local_len: int, head_dim: int, value_dim: int) -> tuple[int, int]:
-        """``(sent, received)`` elements of one forward on ``rank`` (q/k/v all-to-all plus the output's return).
+    def all_to_all_elements(
+        self, rank: int, local_len: int, head_dim: int, value_dim: int
+    ) -> tuple[tuple[int, int], tuple[int, int]]:
+        """``(sent, received)`` elements of ``rank`` in the q/k/v all-to-all, then in the output's return.
 
-        The backward moves the same amounts the other way. A rank's own block stays local.
+        The backward moves the same amounts the other way. A rank's own block stays local (not counted).
         """
         others = [d for d in range(self.cp) if d != rank]
-        sent = local_len * sum(self.width(d, head_dim, value_dim) for d in others)
-        received = len(others) * local_len * self.width(rank, head_dim, value_dim)
-        sent += len(others) * local_len * self.n_query(rank) * value_dim
-        received += local_len * sum(self.n_query(d) for d in others) * value_dim
-        return sent, received
+        inputs = (
+            local_len * sum(self.width(d, head_dim, value_dim) for d in others),
+            len(others) * local_len * self.width(rank, head_dim, value_dim),
+        )
+        outputs = (
+            len(others) * local_len * self.n_query(rank) * value_dim,
+            local_len * sum(self.n_query(d) for d in others) * value_dim,
+        )
+        return inputs, outputs
+
+    def forward_elements(self, rank: int, local_len: int, head_dim: int, value_dim: int) -> tuple[int, int]:
+        """``(sent, received)`` elements of one forward on ``rank``: both all-to-alls together."""
+        inputs, outputs = self.all_to_all_elements(rank, local_len, head_dim, value_dim)
+        return inputs[0] + outputs[0], inputs[1] + outputs[1]
 
     @property
     def forward_messages(self) -> int:
