@@ -13,13 +13,24 @@ import itertools
 from typing import Any
 
 import pytest
+import torch
 
-from nemo_automodel.components.distributed.blockdiag_cp import ulysses
+from nemo_automodel.components.distributed.blockdiag_cp import (
+    CPOptions,
+    cp_blockdiag_sdpa,
+    kernels,
+    make_cp_blockdiag_batch_and_ctx,
+    ulysses,
+)
 from nemo_automodel.components.distributed.blockdiag_cp.heads import split_heads
-from tests.cases import GPU_KERNELS, LAYOUTS, Case, attend_cases, compare, layout
+from nemo_automodel.components.distributed.blockdiag_cp.layout import make_shard_plan
+from nemo_automodel.components.distributed.blockdiag_cp.metadata import build_window_plan
+from tests.cases import GPU_KERNELS, LAYOUTS, Case, attend_cases, compare, cp_mesh, full_inputs, layout
 from tests.families import FAMILIES, cp_run
+from tests.faults.injection import AttentionStack, Injector
 from tests.test_model_families import _problems as family_problems
 from tests.test_parity_distributed import CPU_KERNELS, _check
+from tests.test_runtime import _fail_with_options
 
 # (Hq, Hkv): GQA, MHA, an uneven split at cp=4 whose middle rank reads two K/V heads unequally often
 # (replicated per query head), one K/V head for every rank, fewer query heads than ranks at cp=3/4
@@ -133,3 +144,78 @@ def test_model_families_match_unpacked_eager(pools, cp):
         failures += [f"{name}: {p}" for found in problems.values() for p in found]
         failures += [f"{name}: path {r[i]['path']}" for r in results for i in range(2) if r[i]["path"] != "ulysses"]
     assert not failures, "\n".join(map(str, failures))
+
+
+def _dropout_errors(case: Case, dropout_p: float) -> dict[str, Any]:
+    """Worker: ulysses with dropout against the cp=1 kernel on each rank's heads under the same RNG seed.
+
+    Every rank seeds the same generator before the call, so the kernel rank ``r`` runs on its heads of
+    the whole row must draw the masks the same kernel draws on those heads alone in one process.
+    """
+    batch = {"input_ids": torch.zeros_like(case.doc_ids), "_packed_seq_ids": case.doc_ids}
+    options = CPOptions(attn_backend=case.backend, kv_exchange="ulysses", layout=case.layout)
+    ctx, _, shard = make_cp_blockdiag_batch_and_ctx(cp_mesh(), None, batch, options=options)
+    full = full_inputs(case, shard.padded_seq_len)
+    local = [full[n].index_select(2, shard.positions).requires_grad_() for n in ("q", "k", "v")]
+    with ctx() as st:
+        torch.manual_seed(7)
+        out = cp_blockdiag_sdpa(*local, dropout_p=dropout_p, enable_gqa=True)
+        out.sum().backward()
+        meta = build_window_plan(make_shard_plan(st.shard_plan.runs, 1), 0, None, "cpu").varlen_meta
+    split = split_heads(case.heads[0], case.heads[1], shard.cp_size)
+
+    def single_process(p: float) -> torch.Tensor:
+        """Each rank's heads over the whole row, in one process, the RNG seeded as every rank seeds it."""
+        parts = []
+        for (start, stop), kv in zip(split.query, split.kv):
+            torch.manual_seed(7)
+            k, v = (full[n][:, list(kv), : meta.kv_len] for n in ("k", "v"))
+            if start < stop:
+                parts.append(kernels.blockdiag_attention(case.backend, full["q"][:, start:stop], k, v, meta, None, p))
+        return torch.cat(parts, dim=1).index_select(2, shard.positions)
+
+    return {
+        "error": (out.detach() - single_process(dropout_p)).abs().max().item(),
+        "dropout_changed_it_by": (out.detach() - single_process(0.0)).abs().max().item(),
+        "finite_grads": all(bool(torch.isfinite(t.grad).all()) for t in local),
+    }
+
+
+@pytest.mark.parametrize("shard_layout", ["contiguous", "balanced"])
+def test_dropout_draws_what_the_cp1_kernel_draws_on_the_same_heads(pools, shard_layout):
+    case = Case(layout("straddle", 3), "sdpa_varlen", "ulysses", (4, 2), seed=3, layout=shard_layout)
+    for result in pools.get(3).run_ok(_dropout_errors, case, 0.3):
+        assert result["error"] < 1e-12 and result["dropout_changed_it_by"] > 0.1 and result["finite_grads"], result
+
+
+def _checkpointed_grads(checkpointed: bool) -> list[torch.Tensor]:
+    """Worker: gradients of a 3-layer attention stack under ulysses, with or without activation checkpointing."""
+    ids = layout("spans_many", 2)
+    options = CPOptions(attn_backend="sdpa_varlen", kv_exchange="ulysses", layout="balanced")
+    batch = {"input_ids": torch.zeros_like(ids), "_packed_seq_ids": ids}
+    ctx, _, shard = make_cp_blockdiag_batch_and_ctx(cp_mesh(), None, batch, options=options)
+    x_full = torch.randn(1, shard.padded_seq_len, AttentionStack.HIDDEN, generator=torch.Generator().manual_seed(0))
+    x = x_full.double().index_select(1, shard.positions).requires_grad_()
+    torch.manual_seed(0)
+    model = AttentionStack(3, Injector(None, None, 0), checkpointed)
+    with ctx():
+        model(x).pow(2).sum().backward()
+    return [x.grad, *(p.grad for p in model.parameters())]
+
+
+def test_activation_checkpointing_recomputes_both_all_to_alls(pools):
+    """Recompute re-runs both all-to-alls inside backward on every rank: the gradients are unchanged."""
+    plain = pools.get(2).run_ok(_checkpointed_grads, False)
+    recomputed = pools.get(2).run_ok(_checkpointed_grads, True)
+    for want, got in zip(plain, recomputed):
+        assert all(torch.allclose(a, b, rtol=0, atol=1e-12) for a, b in zip(want, got))
+
+
+@pytest.mark.parametrize(("consensus_mode", "where"), [("step", "exit"), ("call", "call")])
+def test_a_kernel_failure_raises_on_every_rank_per_step_or_per_call(pools, consensus_mode, where):
+    options = CPOptions(attn_backend="sdpa_varlen", kv_exchange="ulysses", consensus=consensus_mode)
+    results = pools.get(2).run_ok(_fail_with_options, 1, options, True, timeout=60)
+    for raised in results:
+        assert [w for w, _ in raised] == [where]
+        assert "forward failed on CP rank(s) [1] (CP rank 1: CP attention call 0)" in raised[0][1]
+    pools.ensure_healthy(2)

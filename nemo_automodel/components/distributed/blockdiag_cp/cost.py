@@ -93,7 +93,11 @@ class Shape:
 
 @dataclass(frozen=True)
 class PathCost:
-    """Predicted cost of one exchange path; per-rank lists are indexed by CP rank."""
+    """Predicted cost of one exchange path; per-rank lists are indexed by CP rank.
+
+    ``recv_tokens`` are K/V rows received (under ``ulysses``: rows for the rank's heads only);
+    ``recv_bytes`` everything one forward receives (under ``ulysses``: q/k/v and the output).
+    """
 
     path: str
     recv_tokens: tuple[int, ...]
@@ -101,6 +105,7 @@ class PathCost:
     compute_s: tuple[float, ...]
     exchange_s: tuple[float, ...]
     exposed_s: tuple[float, ...]
+    recv_bytes: tuple[int, ...] = ()
 
     @property
     def step_s(self) -> float:
@@ -154,23 +159,26 @@ def predict(
         compute.append(seg.attention_work * per_pair)
         exchange.append(2 * one_way)
         exposed.append(max(0.0, 2 * one_way - hidden_by))
-    return PathCost(path, tuple(recv), tuple(msgs), tuple(compute), tuple(exchange), tuple(exposed))
+    received = tuple(n * shape.kv_bytes_per_token for n in recv)
+    return PathCost(path, tuple(recv), tuple(msgs), tuple(compute), tuple(exchange), tuple(exposed), received)
 
 
 def _predict_ulysses(shard: ShardPlan, shape: Shape, machine: Machine, window: int | None) -> PathCost:
     """Head-parallel CP: each rank attends the whole row for its heads; both all-to-alls are exposed."""
     split = split_heads(shape.heads, shape.kv_heads, shard.cp)
     pairs = sum(seg.attention_work for seg in shard.windowed_segments(window))
-    recv, msgs, compute, exchange = [], [], [], []
+    recv, received, msgs, compute, exchange = [], [], [], [], []
     for rank in range(shard.cp):
         moved = split.all_to_all_elements(rank, shard.local_len, shape.head_dim, shape.head_dim)
         busiest = sum(max(sent, received) for sent, received in moved)
         one_way = split.forward_messages * machine.latency_s + busiest * shape.elem_bytes / machine.bytes_per_s
         recv.append((shard.cp - 1) * shard.local_len if split.kv[rank] else 0)
+        received.append(sum(r for _, r in moved) * shape.elem_bytes)
         msgs.append(split.forward_messages)
         compute.append(pairs * split.n_query(rank) * shape.head_dim * machine.seconds_per_pair_dim)
         exchange.append(2 * one_way)
-    return PathCost("ulysses", tuple(recv), tuple(msgs), tuple(compute), tuple(exchange), tuple(exchange))
+    costs = (tuple(compute), tuple(exchange), tuple(exchange))
+    return PathCost("ulysses", tuple(recv), tuple(msgs), *costs, tuple(received))
 
 
 def candidate_paths(kv: KVPlan) -> tuple[str, ...]:
