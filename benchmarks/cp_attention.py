@@ -24,6 +24,8 @@ Usage::
 
     python benchmarks/cp_attention.py --workload W8K
     python benchmarks/cp_attention.py --workload DOC131K --combos contiguous:halo:sdpa_varlen,balanced:a2a:sdpa_varlen
+    python benchmarks/cp_attention.py --workload V8K --variants --rounds 3   # sinks, soft-cap, window vs plain
+    python benchmarks/cp_attention.py --workload W8K --paths --rounds 3      # every K/V path and auto, bytes
 """
 
 from __future__ import annotations
@@ -86,6 +88,8 @@ class Workload:
     iters: int = 5
     kernels: tuple[str, ...] = ("sdpa_varlen",)
     window: int | None = None  # sliding window of the attention calls (None: full causal)
+    softcap: float | None = None  # logit soft-cap of the attention calls (None: none)
+    sinks: bool = False  # one learned sink logit per query head (a parameter of the block)
 
 
 WORKLOADS = {
@@ -99,6 +103,8 @@ WORKLOADS = {
     "MIX131K": Workload(131072, sft_mix(131072, seed=2, max_len=40000), heads=2, kv_heads=1, head_dim=32),
     # The recipe's scale: 512 tokens of short documents, its model's heads (8/4 x 32); fixed costs dominate.
     "R512": Workload(512, sft_mix(512, seed=0, max_len=400), head_dim=32, iters=30),
+    # The variant rows (--variants): an 8K row of five documents, W8K's heads.
+    "V8K": Workload(8192, (3000, 2000, 1500, 1000, 692)),
     # One document filling the row: the contiguous layout's worst case (1 x 1 x 16 heads for CPU time).
     "DOC131K": Workload(131072, (131072,), heads=1, kv_heads=1, head_dim=16),
     # One long document with heads to share (4/4 x 32, MHA): where head-parallel CP can compete.
@@ -116,12 +122,13 @@ def upstream_dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
         from torch.distributed.nn.functional import all_gather
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from nemo_automodel.components.distributed.blockdiag_cp.compat import row_doc_ids
     from nemo_automodel.components.distributed.blockdiag_cp.state import current_step_state
 
     st = current_step_state()
     k_full = torch.cat(all_gather(k.contiguous(), group=st.group), dim=2)
     v_full = torch.cat(all_gather(v.contiguous(), group=st.group), dim=2)
-    ids = st.doc_ids[0]
+    ids = row_doc_ids(st)[0]
     rows = torch.arange(st.row_offset, st.row_offset + st.local_len)
     cols = torch.arange(ids.numel())
     q_ids = ids[rows]
@@ -136,13 +143,13 @@ def upstream_dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
 class AttentionBlock(torch.nn.Module):
     """``x [1, L, Hq*D]`` -> q/k/v projections -> CP attention -> o projection -> ``[1, L, Hq*D]``."""
 
-    def __init__(
-        self, heads: int, kv_heads: int, head_dim: int, upstream: bool = False, window: int | None = None
-    ) -> None:
+    def __init__(self, work: Workload, upstream: bool = False) -> None:
         super().__init__()
+        heads, kv_heads, head_dim = work.heads, work.kv_heads, work.head_dim
         hidden = heads * head_dim
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.variant = AttentionVariant(window=window)
+        self.sinks = torch.nn.Parameter(torch.zeros(heads)) if work.sinks else None
+        self.variant = AttentionVariant(window=work.window, softcap=work.softcap, sinks=self.sinks)
         self.attention = upstream_dense_attention if upstream else self._cp_attention
         self.q = torch.nn.Linear(hidden, hidden, bias=False)
         self.kv = torch.nn.Linear(hidden, 2 * kv_heads * head_dim, bias=False)
@@ -279,9 +286,11 @@ def _worker(
     bare_rss = _rss_mib()
     torch.manual_seed(0)
     upstream = combo.backend == UPSTREAM[2]
-    if upstream and work.window is not None:
-        raise ValueError("--window: the upstream baseline has no sliding window; leave upstream_dense out of --combos")
-    block = AttentionBlock(work.heads, work.kv_heads, work.head_dim, upstream=upstream, window=work.window)
+    if upstream and (work.window is not None or work.softcap is not None or work.sinks):
+        raise ValueError(
+            "--window/--variants: the upstream baseline has no attention variants; leave upstream_dense out of --combos"
+        )
+    block = AttentionBlock(work, upstream=upstream)
     ids = _packed_ids(work)
     mesh = init_device_mesh("cpu", (work.cp,), mesh_dim_names=("cp",))
     batch = {"input_ids": torch.zeros_like(ids), "_packed_seq_ids": ids}
@@ -437,6 +446,101 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+# The variant rows: name -> the Workload fields that make it (issue 22: sinks <= 1.25x, soft-cap <= 1.5x and a
+# 1024-token window <= 0.8x of plain causal, fwd + bwd, same run). Soft-cap 50 is Gemma 2's attention cap.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "plain causal": {},
+    "sinks": {"sinks": True},
+    "soft-cap 50": {"softcap": 50.0},
+    "window 1024": {"window": 1024},
+}
+VARIANT_COMBO = Combo("contiguous", "halo", "sdpa_varlen")
+
+
+def run_variants(work: Workload, combo: Combo, threads: int, rounds: int) -> list[dict[str, Any]]:
+    """Each :data:`VARIANTS` row on ``combo``, ``rounds`` times in turn; its ratio to plain causal per round.
+
+    The rows of one round run back to back, so a change of machine load shifts them together; the reported
+    ratio is the median over rounds of (variant's median time / plain causal's median time in that round).
+    """
+    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    for _ in range(rounds):
+        for name, fields in VARIANTS.items():
+            times[name].append(run_combo(replace(work, **fields), combo, threads, False)["median_s"])
+            print(f"done variant {name!r}: {times[name][-1]:.3f}s", flush=True)
+    plain = times["plain causal"]
+    return [
+        {
+            "variant": name,
+            "median_s": statistics.median(samples),
+            "vs_plain": statistics.median(t / p for t, p in zip(samples, plain)),
+            "per_round": [round(t / p, 3) for t, p in zip(samples, plain)],
+        }
+        for name, samples in times.items()
+    ]
+
+
+def _variant_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| variant | median s | vs plain causal (same run) | per round |", "|---|---|---|---|"]
+    lines += [
+        f"| {r['variant']} | {r['median_s']:.3f} | {r['vs_plain']:.2f}x | {', '.join(map(str, r['per_round']))} |"
+        for r in rows
+    ]
+    return "\n".join(lines)
+
+
+# --paths: every K/V path on its best layout, and auto (issue 25: auto within 5% of the best fixed choice).
+PATH_COMBOS = tuple(
+    Combo(*c.split(":"))
+    for c in (
+        "contiguous:allgather:sdpa_varlen",
+        "contiguous:halo:sdpa_varlen",
+        "balanced:a2a:sdpa_varlen",
+        "contiguous:ulysses:sdpa_varlen",
+        "auto:auto:sdpa_varlen",
+    )
+)
+
+
+def run_paths(work: Workload, combos: list[Combo], threads: int, rounds: int) -> list[dict[str, Any]]:
+    """Each combination ``rounds`` times in turn; time, bytes received per rank, and ratio to the best fixed one.
+
+    The combinations of one round run back to back, so a change of machine load shifts them together: the
+    ratio is the median over rounds of (combination's median time / the fastest fixed combination's that round).
+    """
+    runs: dict[Combo, list[dict[str, Any]]] = {c: [] for c in combos}
+    for _ in range(rounds):
+        for combo in combos:
+            runs[combo].append(run_combo(work, combo, threads, False))
+            print(f"done {combo.key}: {runs[combo][-1]['median_s']:.3f}s", flush=True)
+    fixed = [c for c in combos if "auto" not in (c.layout, c.kv_exchange)]
+    best = [min(runs[c][i]["median_s"] for c in fixed) for i in range(rounds)]
+    return [
+        {
+            **asdict(combo),
+            "path": samples[0]["path"],
+            "median_s": statistics.median(r["median_s"] for r in samples),
+            "mib_received": samples[0]["mib_received"],
+            "vs_best_fixed": statistics.median(r["median_s"] / b for r, b in zip(samples, best)),
+            "per_round": [round(r["median_s"] / b, 3) for r, b in zip(samples, best)],
+        }
+        for combo, samples in runs.items()
+    ]
+
+
+def _paths_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| layout | kv_exchange | path | median s | MiB recv/rank (fwd) | vs best fixed (same round) | per round |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['layout']} | {r['kv_exchange']} | {r['path']} | {r['median_s']:.3f} | {r['mib_received']} "
+        f"| {r['vs_best_fixed']:.2f}x | {', '.join(map(str, r['per_round']))} |"
+        for r in rows
+    ]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="W8K")
@@ -462,6 +566,21 @@ def main() -> None:
         help="also predict each rank's time from this machine's GEMM and flash-SDPA rates (report predicted/measured)",
     )
     parser.add_argument("--window", type=int, help="sliding window of every attention call (default: full causal)")
+    parser.add_argument(
+        "--variants",
+        action="store_true",
+        help=f"time plain causal, sinks, soft-cap and a 1024-token window on one combination (default "
+        f"{':'.join(VARIANT_COMBO.key)}; --combos picks another) and report each against plain causal",
+    )
+    parser.add_argument(
+        "--paths",
+        action="store_true",
+        help="time allgather, halo, a2a (balanced), ulysses and auto (or --combos) in rounds; report bytes per rank "
+        "and each against the best fixed choice of the same round",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="--variants/--paths: how many times to run every row in turn"
+    )
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
     work = WORKLOADS[args.workload]
@@ -471,6 +590,32 @@ def main() -> None:
         if args.window < 1:
             parser.error(f"--window {args.window}: must be a positive number of keys")
         work = replace(work, window=args.window)
+    if args.variants:
+        combo = Combo(*args.combos.split(",")[0].split(":")) if args.combos else VARIANT_COMBO
+        rows = run_variants(work, combo, args.threads, args.rounds)
+        print(
+            f"\nworkload {args.workload}: S={work.seq_len} cp={work.cp} Hq={work.heads} Hkv={work.kv_heads} "
+            f"D={work.head_dim} docs={len(work.doc_lens)} threads/rank={args.threads} iters={work.iters} "
+            f"combo={':'.join(combo.key)} rounds={args.rounds}\n"
+        )
+        print(_variant_table(rows))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=2)
+        return
+    if args.paths:
+        chosen = [Combo(*c.split(":")) for c in args.combos.split(",")] if args.combos else list(PATH_COMBOS)
+        rows = run_paths(work, chosen, args.threads, args.rounds)
+        print(
+            f"\nworkload {args.workload}: S={work.seq_len} cp={work.cp} Hq={work.heads} Hkv={work.kv_heads} "
+            f"D={work.head_dim} docs={len(work.doc_lens)} threads/rank={args.threads} iters={work.iters} "
+            f"rounds={args.rounds}\n"
+        )
+        print(_paths_table(rows))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=2)
+        return
     combos = (
         [Combo(*c.split(":")) for c in args.combos.split(",")] if args.combos else default_combos(work, args.workload)
     )

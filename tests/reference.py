@@ -109,6 +109,23 @@ def segments_reference(
     return torch.nn.functional.pad(out, (0, 0, 0, meta.local_len - meta.n_real))[None]
 
 
+def fit_to_row_reference(documents: list[Any], seq_len: int, long_documents: str) -> list[Any]:
+    """The packer's original per-document fit (the oracle of ``packing.fit_to_row`` over flat arrays): empty
+    documents dropped, longer ones ``split`` into ``seq_len`` chunks or ``truncate``d; each a ``Document``."""
+    from nemo_automodel.components.datasets.formats import Document
+
+    fitted = []
+    for doc in documents:
+        targets = [True] * len(doc.ids) if doc.targets is None else list(doc.targets)
+        stops = [seq_len] if long_documents == "truncate" else range(seq_len, len(doc.ids) + seq_len, seq_len)
+        start = 0
+        for stop in stops:
+            if doc.ids[start:stop]:
+                fitted.append(Document(list(doc.ids[start:stop]), targets[start:stop]))
+            start = stop
+    return fitted
+
+
 def fill_rows_reference(docs: list[Any], rows: list[list[int]], seq_len: int, pad_id: int) -> tuple[torch.Tensor, ...]:
     """``(input_ids, labels, position_ids, seq_ids)`` ``[N, seq_len]``, filled one document at a time (the packer's
     original loop: the oracle of its vectorized fill, and the baseline of ``benchmarks/packing.py --fill``)."""

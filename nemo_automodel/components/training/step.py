@@ -160,7 +160,12 @@ def _scale_grads(model: torch.nn.Module, factor: float) -> None:
 
 
 def _nonfinite_report(
-    step: int, flags: list[list[float]], grad_norm: float, own_attention: list[str], rank: int
+    step: int,
+    flags: list[list[float]],
+    grad_norm: float,
+    own_attention: list[str],
+    rank: int,
+    attention_checked: bool = True,
 ) -> str | None:
     """What was non-finite in ``step`` on which rank (``None``: everything finite).
 
@@ -170,6 +175,7 @@ def _nonfinite_report(
         grad_norm: The global gradient norm.
         own_attention: This rank's ``nonfinite_attention_inputs`` lines (other ranks log their own).
         rank: This rank in the ``dp x cp`` group.
+        attention_checked: ``cp.check_finite`` was on (else the report says how to name the attention call).
     """
     attention = [r for r, (bad, _) in enumerate(flags) if bad]
     loss = [r for r, (_, bad) in enumerate(flags) if bad]
@@ -181,6 +187,8 @@ def _nonfinite_report(
         parts.append(f"loss on rank(s) {loss}")
     if not math.isfinite(grad_norm):
         parts.append(f"gradient norm {grad_norm}")
+    if parts and not attention_checked:
+        parts.append("set cp.check_finite=true to name the first CP attention call whose q/k/v were not finite")
     return f"non-finite values in step {step}: {'; '.join(parts)}" if parts else None
 
 
@@ -310,7 +318,8 @@ def train_step(
     group = setup.reduce_group
     flags = [[a, b] for a, b in zip(totals.column("attention_nonfinite"), totals.column("loss_nonfinite"))]
     own_attention = _attention_lines(states) if flags[dist.get_rank(group)][0] else []
-    report = _nonfinite_report(step, flags, grad_norm, own_attention, dist.get_rank(group))
+    checked = all(st.options.check_finite for st in states)
+    report = _nonfinite_report(step, flags, grad_norm, own_attention, dist.get_rank(group), checked)
     if report is not None and setup.on_nonfinite == "stop":
         raise NonFiniteStepError(f"{report}; trainer.on_nonfinite=stop (set trainer.on_nonfinite=skip to skip it)")
     if report is not None:

@@ -540,8 +540,15 @@ def assemble(
     local: tuple[torch.Tensor, ...], received: tuple[torch.Tensor, ...] | None, runs: tuple[ChunkRun, ...]
 ) -> torch.Tensor:
     """A group's packed keys (or values) ``[1, Hkv, K, D]`` from local and received chunks ``[1, Hkv, n, D]``."""
-    parts = [c for from_received, a, b in runs for c in (received if from_received else local)[a:b]]
+    parts = chunks_in_order(local, received, runs)
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
+def chunks_in_order(
+    local: tuple[torch.Tensor, ...], received: tuple[torch.Tensor, ...] | None, runs: tuple[ChunkRun, ...]
+) -> list[torch.Tensor]:
+    """A group's key (or value) chunks ``[1, Hkv, n, D]`` in packed order, from the local and received ones."""
+    return [c for from_received, a, b in runs for c in (received if from_received else local)[a:b]]
 
 
 def anchor_like(heads: int, dim: int, received: torch.Tensor) -> torch.Tensor:

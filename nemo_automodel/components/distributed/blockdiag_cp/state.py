@@ -19,9 +19,11 @@ from nemo_automodel.components.distributed.blockdiag_cp.options import CPOptions
 
 if TYPE_CHECKING:
     from nemo_automodel.components.distributed.blockdiag_cp.cost import Shape
+    from nemo_automodel.components.distributed.blockdiag_cp.gpu_libraries import GpuLibraries
     from nemo_automodel.components.distributed.blockdiag_cp.heads import RowPlan
     from nemo_automodel.components.distributed.blockdiag_cp.layout import ShardPlan
     from nemo_automodel.components.distributed.blockdiag_cp.metadata import WindowPlan
+    from nemo_automodel.components.distributed.blockdiag_cp.topology import GroupHosts
     from nemo_automodel.components.distributed.blockdiag_cp.variant import PlanKey
 
 _DEFAULT_OPTIONS = CPOptions()
@@ -33,7 +35,7 @@ def configure_cp_varlen(
     kv_exchange: str | None = None,
     layout: str | None = None,
     overlap: bool = True,
-    check_finite: bool = True,
+    check_finite: bool = False,
     consensus: str | None = None,
 ) -> None:
     """Set the process default :class:`CPOptions` for callers that pass no options to the batch builder.
@@ -48,7 +50,7 @@ def configure_cp_varlen(
         layout: ``contiguous``, ``balanced`` or ``auto`` (``None`` -> ``contiguous``).
         overlap: Compute local-key segments while the K/V exchange is in flight.
         check_finite: Record, without a host sync, whether every call's q/k/v are finite
-            (read once per step with ``nonfinite_attention_inputs``).
+            (read once per step with ``nonfinite_attention_inputs``; off by default, see :class:`CPOptions`).
         consensus: ``step`` (default) or ``call`` (see :class:`CPOptions`).
     """
     global _DEFAULT_OPTIONS
@@ -224,7 +226,6 @@ class StepState:
         group: The CP process group (``None`` only when ``cp_size == 1``).
         cp_rank: This rank's index in the CP group.
         cp_size: Number of CP ranks.
-        doc_ids: Replicated per-position document ids ``[B, S_full]`` in physical order (0 == pad).
         row_offset: Physical position of this rank's first local row (``cp_rank * local_len``);
             under the contiguous layout also its original position.
         local_len: Local rows per rank ``L = S_full / cp_size``.
@@ -233,6 +234,9 @@ class StepState:
         packed_cu_seqlens_cpu: The same boundaries on the host.
         positions: Original position of each local row ``[L]`` (device).
         options: The step's knobs (frozen).
+        hosts: Where the group's ranks run, gathered when the row was built (``None``: one rank; a
+            state built by hand without them is taken to run on one host).
+        libraries: The GPU libraries probed when the row was built (``None``: probed at the first call).
         cache: Per-step memo (per-window plans and routes, agreement, kernel).
         stats: What the calls did (path, K/V received, time blocked on exchanges).
         failures: Kernel failures recorded on this rank, settled once per step.
@@ -241,7 +245,6 @@ class StepState:
     group: dist.ProcessGroup | None
     cp_rank: int
     cp_size: int
-    doc_ids: torch.Tensor
     row_offset: int
     local_len: int
     shard_plan: ShardPlan
@@ -249,6 +252,8 @@ class StepState:
     packed_cu_seqlens_cpu: torch.Tensor
     positions: torch.Tensor
     options: CPOptions = field(default_factory=CPOptions)
+    hosts: GroupHosts | None = None
+    libraries: GpuLibraries | None = None
     cache: StepCache = field(default_factory=StepCache)
     stats: StepStats = field(default_factory=StepStats)
     failures: FailureLog = field(default_factory=FailureLog)
