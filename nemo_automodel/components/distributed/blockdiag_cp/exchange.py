@@ -368,7 +368,7 @@ class Route:
     into chunks; a group's packed keys are a concatenation of whole chunks.
 
     Attributes:
-        path: ``allgather``, ``halo`` or ``a2a``.
+        path: ``allgather``, ``halo``, ``a2a`` or ``ulysses`` (no K/V route: :mod:`.ulysses` moves heads).
         reason: Why this path.
         plan: The replicated needed-only plan (``None`` for ``allgather``).
         local_cuts: Chunk sizes of the local ``L`` rows.
@@ -470,6 +470,8 @@ def make_route(
     local_len: int,
 ) -> Route:
     """Everything the layers of a step need to exchange and assemble keys along ``path`` (host work, once)."""
+    if path == "ulysses":  # heads travel, not keys (ulysses.py): every local chunk stays whole
+        return Route(path, reason, None, (local_len,), (), (), (), (0,) * world, (0,) * world, 0)
     if path != "allgather" and plan is None:
         raise ValueError(f"kv_exchange path {path!r} needs an exchange plan")
     sources = [key_sources(ranges, path, rank, local_len, plan) for ranges in group_ranges]
