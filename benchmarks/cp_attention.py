@@ -32,45 +32,32 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
-import random
 import resource
 import statistics
 import time
 import warnings
 from dataclasses import asdict, dataclass, replace
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
 from nemo_automodel.components.distributed.blockdiag_cp import (
     AttentionVariant,
     configure_cp_varlen,
-    cp_blockdiag_sdpa,
     exchange,
     exchange_stats,
     make_cp_blockdiag_batch_and_ctx,
 )
 from nemo_automodel.components.distributed.blockdiag_cp.layout import balance, doc_runs_from_lengths, make_shard_plan
 from nemo_automodel.components.distributed.blockdiag_cp.runtime import reset_exchange_stats
-from nemo_automodel.components.launcher.local import free_port
+from nemo_automodel.testing.dist import init_gloo, run_ranks
+from nemo_automodel.testing.workloads import AttentionBlock, sft_mix
 
 BASELINE = ("contiguous", "allgather", "dense")
 UPSTREAM = ("contiguous", "allgather", "upstream_dense")
 EXCHANGES = ("allgather", "halo", "a2a", "auto")
-
-
-def sft_mix(total: int, seed: int = 0, max_len: int = 16384) -> tuple[int, ...]:
-    """A long-tailed SFT-like mix of document lengths filling ``total`` tokens (log-uniform, 16..max_len)."""
-    rng = random.Random(seed)
-    lengths: list[int] = []
-    while sum(lengths) < total:
-        lengths.append(min(int(2 ** rng.uniform(4, max_len.bit_length() - 1)), total - sum(lengths)))
-    return tuple(lengths)
 
 
 @dataclass(frozen=True)
@@ -96,12 +83,12 @@ WORKLOADS = {
     "W8K": Workload(8192, (3000, 2000, 1500, 1000), kernels=("dense", "sdpa_varlen")),
     # Long-tailed SFT mixes (MIX32K has documents longer than a shard). At 131072 tokens
     # the heads are reduced (2/1 x 32) so that CPU iterations take seconds, not minutes.
-    "MIX32K": Workload(32768, sft_mix(32768, seed=1, max_len=20000)),
+    "MIX32K": Workload(32768, tuple(sft_mix(32768, 20000, seed=1))),
     # The issue-2 memory check: 131072 tokens, W8K's heads (8/4 x 64), a realistic mix (16 to 16384 tokens).
-    "S131K": Workload(131072, sft_mix(131072), iters=2),  # a memory check: 2 timed iterations
-    "MIX131K": Workload(131072, sft_mix(131072, seed=2, max_len=40000), heads=2, kv_heads=1, head_dim=32),
+    "S131K": Workload(131072, tuple(sft_mix(131072, 16384)), iters=2),  # a memory check: 2 timed iterations
+    "MIX131K": Workload(131072, tuple(sft_mix(131072, 40000, seed=2)), heads=2, kv_heads=1, head_dim=32),
     # The recipe's scale: 512 tokens of short documents, its model's heads (8/4 x 32); fixed costs dominate.
-    "R512": Workload(512, sft_mix(512, seed=0, max_len=400), head_dim=32, iters=30),
+    "R512": Workload(512, tuple(sft_mix(512, 400, seed=0)), head_dim=32, iters=30),
     # The variant rows (--variants): an 8K row of five documents, W8K's heads.
     "V8K": Workload(8192, (3000, 2000, 1500, 1000, 692)),
     # One document filling the row: the contiguous layout's worst case (1 x 1 x 16 heads for CPU time).
@@ -135,32 +122,6 @@ def upstream_dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
     k_full, v_full = k_full.repeat_interleave(rep, 1), v_full.repeat_interleave(rep, 1)
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
         return torch.nn.functional.scaled_dot_product_attention(q, k_full, v_full, attn_mask=mask)
-
-
-class AttentionBlock(torch.nn.Module):
-    """``x [1, L, Hq*D]`` -> q/k/v projections -> CP attention -> o projection -> ``[1, L, Hq*D]``."""
-
-    def __init__(self, work: Workload, upstream: bool = False) -> None:
-        super().__init__()
-        heads, kv_heads, head_dim = work.heads, work.kv_heads, work.head_dim
-        hidden = heads * head_dim
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.sinks = torch.nn.Parameter(torch.zeros(heads)) if work.sinks else None
-        self.variant = AttentionVariant(window=work.window, softcap=work.softcap, sinks=self.sinks)
-        self.attention = upstream_dense_attention if upstream else self._cp_attention
-        self.q = torch.nn.Linear(hidden, hidden, bias=False)
-        self.kv = torch.nn.Linear(hidden, 2 * kv_heads * head_dim, bias=False)
-        self.o = torch.nn.Linear(hidden, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        length = x.shape[1]
-        q = self.q(x).view(1, length, self.heads, self.head_dim).transpose(1, 2)
-        kv = self.kv(x).view(1, length, 2 * self.kv_heads, self.head_dim).transpose(1, 2)
-        out = self.attention(q, *kv.chunk(2, dim=1))
-        return self.o(out.transpose(1, 2).reshape(1, length, -1))
-
-    def _cp_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return cp_blockdiag_sdpa(q, k, v, enable_gqa=self.heads != self.kv_heads, variant=self.variant)
 
 
 def _rss_mib() -> float:
@@ -281,9 +242,7 @@ def _worker(
     results: Any,
 ) -> None:
     torch.set_num_threads(threads)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=work.cp, init_method=f"tcp://127.0.0.1:{port}", timeout=timedelta(minutes=30)
-    )
+    init_gloo(rank, work.cp, port, timeout_s=30 * 60)
     bare_rss = _rss_mib()
     torch.manual_seed(0)
     upstream = combo.backend == UPSTREAM[2]
@@ -291,7 +250,11 @@ def _worker(
         raise ValueError(
             "--window/--variants: the upstream baseline has no attention variants; leave upstream_dense out of --combos"
         )
-    block = AttentionBlock(work, upstream=upstream)
+    attention = upstream_dense_attention if upstream else None
+    sinks = torch.nn.Parameter(torch.zeros(work.heads)) if work.sinks else None  # one learned logit per query head
+    variant = AttentionVariant(window=work.window, softcap=work.softcap, sinks=sinks)
+    block = AttentionBlock(work.heads, work.kv_heads, work.head_dim, attention, variant)
+    block.sinks = sinks  # registered, so the sinks are one of the block's parameters
     ids = _packed_ids(work)
     mesh = init_device_mesh("cpu", (work.cp,), mesh_dim_names=("cp",))
     batch = {"input_ids": torch.zeros_like(ids), "_packed_seq_ids": ids}
@@ -335,37 +298,12 @@ def _slowest(ranks: list[dict[str, Any]], key: str) -> list[float]:
     return [max(step) for step in zip(*(r[key] for r in ranks))]
 
 
-def _collect(results: Any, procs: list[Any]) -> list[dict[str, Any]]:
-    """One result row per worker; raise as soon as a worker exits without one (instead of waiting forever)."""
-    rows: list[dict[str, Any]] = []
-    while len(rows) < len(procs):
-        try:
-            rows.append(results.get(timeout=1.0))
-        except queue.Empty:
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if dead:
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(f"a benchmark worker failed (exit codes {dead}); its traceback is above") from None
-    for p in procs:
-        p.join()
-    return rows
-
-
 def run_combo(
     work: Workload, combo: Combo, threads: int, overlap_baseline: bool, efficiency: bool = False
 ) -> dict[str, Any]:
     """Run one combination on ``work.cp`` fresh processes; return the reported figures."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, port, work, combo, threads, overlap_baseline, efficiency, results))
-        for r in range(work.cp)
-    ]
-    for p in procs:
-        p.start()
-    ranks = sorted(_collect(results, procs), key=lambda r: r["rank"])
+    runs = run_ranks(_worker, work.cp, work, combo, threads, overlap_baseline, efficiency)
+    ranks = sorted(runs, key=lambda r: r["rank"])
     received = [r["stats"]["kv_tokens_received"] for r in ranks]
     bounds = [r["lower_bound"] for r in ranks]
     row = {
