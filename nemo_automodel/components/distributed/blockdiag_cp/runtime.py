@@ -398,7 +398,7 @@ def _attend(
         ``[1, Hq, L, Dv]`` in local row order (a view of a token-major buffer); padding rows are zero.
     """
     layout = kernels.KERNELS[kernel].layout
-    local = (key.split(route.local_cuts, dim=2), value.split(route.local_cuts, dim=2))
+    local = (kernel_io.chunks(key, route.local_cuts), kernel_io.chunks(value, route.local_cuts))
     op: ExchangeOp | None = None
     token = received = None
     if state.cp_size > 1:
