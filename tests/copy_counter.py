@@ -166,7 +166,7 @@ def opaque_libraries() -> Iterator[None]:
     for name in ("send_buffer", "post", "wait"):
         patches.append(_patched(exchange, name, _uncounted(getattr(exchange, name))))
     # the step's agreement runs once per step, not per call
-    patches.append(_patched(consensus, "check_step_agreement", _uncounted(consensus.check_step_agreement)))
+    patches.append(_patched(consensus, "check_agreement", _uncounted(consensus.check_agreement)))
     gpu_kernels.reset_caches()
     try:
         yield

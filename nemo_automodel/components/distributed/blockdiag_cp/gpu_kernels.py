@@ -193,7 +193,7 @@ def _first(result: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class Piece:
+class BoundaryPiece:
     """A run of consecutive segments attended by one call.
 
     Attributes:
@@ -211,20 +211,22 @@ class Piece:
     max_len: int
 
 
-def boundary_pieces(meta: VarlenMeta) -> list[Piece]:
+def boundary_pieces(meta: VarlenMeta) -> list[BoundaryPiece]:
     """Split a group into its straddling segments (one piece each) and runs of square segments.
 
     Host-only: built from ``meta.q_lens``/``k_lens``, no device access.
     """
-    pieces: list[Piece] = []
+    pieces: list[BoundaryPiece] = []
     for i, (q0, q_len, k0, k_len) in enumerate(meta.segments()):
         straddles = k_len > q_len
         last = pieces[-1] if pieces else None
         if last is not None and not straddles and not last.straddles:
-            merged = Piece(last.first, i + 1, False, (last.q[0], q0 + q_len), (last.k[0], k0 + k_len), last.max_len)
+            merged = BoundaryPiece(
+                last.first, i + 1, False, (last.q[0], q0 + q_len), (last.k[0], k0 + k_len), last.max_len
+            )
             pieces[-1] = replace(merged, max_len=max(last.max_len, q_len))
         else:
-            pieces.append(Piece(i, i + 1, straddles, (q0, q0 + q_len), (k0, k0 + k_len), k_len))
+            pieces.append(BoundaryPiece(i, i + 1, straddles, (q0, q0 + q_len), (k0, k0 + k_len), k_len))
     return pieces
 
 
@@ -265,7 +267,7 @@ def boundary_guarded(
     return tuple(outs)
 
 
-def guarded_pieces(meta: VarlenMeta) -> tuple[tuple[Piece, torch.Tensor | None], ...]:
+def guarded_pieces(meta: VarlenMeta) -> tuple[tuple[BoundaryPiece, torch.Tensor | None], ...]:
     """:func:`boundary_pieces` with each square run's ``cu_seqlens`` (a device slice), built once per metadata."""
     found = meta._derived.get("guarded_pieces")
     if found is None:
