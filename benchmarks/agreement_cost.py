@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from nemo_automodel.components.distributed.blockdiag_cp import (
+    AttentionVariant,
     consensus,
     cp_blockdiag_sdpa,
     make_cp_blockdiag_batch_and_ctx,
@@ -86,11 +87,12 @@ def _measure(work: Workload) -> dict[str, float]:
     k.requires_grad_(), v.requires_grad_()
     with ctx() as state:
         route = runtime._route(state, q.device)
-        kernel = runtime._kernel_for(state, q, 0.0)[0]
+        plain = AttentionVariant()
+        kernel = runtime._kernel_for(state, q, v, 0.0, plain)[0]
 
         def agreement() -> None:
             state.cache.agreed = False
-            runtime._agree_on_step(state, q, k, v, kernel, route)
+            runtime._agree_on_step(state, q, k, v, kernel, route, plain)
 
         def fingerprints() -> None:
             for value in runtime._agreement_fields(state, q, k, v, kernel, route).values():

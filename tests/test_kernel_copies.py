@@ -21,9 +21,10 @@ from nemo_automodel.components.distributed.blockdiag_cp import (
     cp_blockdiag_sdpa,
     make_cp_blockdiag_batch_and_ctx,
 )
-from tests.cases import GPU_KERNELS, cp_mesh, fake_kernels, layout
+from nemo_automodel.testing.cases import GPU_KERNELS, cp_mesh, layout
+from nemo_automodel.testing.reference import doc_ids_from_lengths
+from tests.cases import fake_kernels
 from tests.copy_counter import counting, nbytes, opaque_libraries
-from tests.reference import doc_ids_from_lengths
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 
