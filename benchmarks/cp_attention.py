@@ -110,9 +110,9 @@ def upstream_dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from nemo_automodel.components.distributed.blockdiag_cp.compat import row_doc_ids
-    from nemo_automodel.components.distributed.blockdiag_cp.state import current_step_state
+    from nemo_automodel.components.distributed.blockdiag_cp.state import current_row_state
 
-    st = current_step_state()
+    st = current_row_state()
     k_full = torch.cat(all_gather(k.contiguous(), group=st.group), dim=2)
     v_full = torch.cat(all_gather(v.contiguous(), group=st.group), dim=2)
     ids = row_doc_ids(st)[0]

@@ -169,7 +169,7 @@ def opaque_libraries() -> Iterator[None]:
     for owner in (exchange._Post, exchange._Wait, consensus.GuardedKernel):
         patches.append(_patched(owner, "backward", staticmethod(_uncounted(owner.backward))))
     # the step's agreement runs once per step, not per call
-    patches.append(_patched(consensus, "check_step_agreement", _uncounted(consensus.check_step_agreement)))
+    patches.append(_patched(consensus, "check_agreement", _uncounted(consensus.check_agreement)))
     gpu_kernels.reset_caches()
     try:
         yield

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from nemo_automodel.components.distributed.blockdiag_cp.layout import ShardPlan
 
 # (owner rank, start inside the owner's local chunk, length)
-Piece = tuple[int, int, int]
+OwnedPiece = tuple[int, int, int]
 # (start inside a local chunk, length)
 Span = tuple[int, int]
 
@@ -68,7 +68,7 @@ class KVPlan:
 
     world: int
     local_len: int
-    pieces: tuple[tuple[Piece, ...], ...]
+    pieces: tuple[tuple[OwnedPiece, ...], ...]
 
     @cached_property
     def _spans(self) -> dict[tuple[int, int], list[Span]]:
@@ -102,9 +102,9 @@ class KVPlan:
         return all(src == dst - 1 for dst, src in self._spans)
 
 
-def _split_by_owner(start: int, end: int, local_len: int) -> list[Piece]:
+def _split_by_owner(start: int, end: int, local_len: int) -> list[OwnedPiece]:
     """Cut the physical range ``[start, end)`` at chunk boundaries."""
-    out: list[Piece] = []
+    out: list[OwnedPiece] = []
     while start < end:
         owner = start // local_len
         stop = min(end, (owner + 1) * local_len)
