@@ -178,23 +178,34 @@ def empty_answers(messages: list[dict[str, Any]]) -> list[int]:
 
 
 def _chat_segments(messages: list[dict[str, Any]], tokenizer: Any) -> list[tuple[str, bool]]:
-    """The full rendering cut into ``(text, is_answer)`` segments by rendering prefixes (module docstring)."""
+    """The full rendering cut into ``(text, is_answer)`` segments by rendering prefixes (module docstring).
 
-    def render(prefix: list[dict[str, Any]], generation_prompt: bool) -> str:
+    The prefixes are rendered together when the tokenizer can (``render_chat_prefixes``: the same strings, the
+    messages prepared once); otherwise, or when that fails, one by one with ``render_chat``, in the order below,
+    so an error is the one ``render_chat`` raises.
+    """
+    answers = [k for k, message in enumerate(messages) if message["role"] == "assistant"]
+    prefixes = [(len(messages), False)] + [p for k in answers for p in ((k, True), (k + 1, False))]
+    rendered = tokenizer.render_chat_prefixes(messages, prefixes) or {}  # {}: each rendered below, in order
+
+    def render(chat: list[dict[str, Any]], generation_prompt: bool) -> str:
         try:
-            return tokenizer.render_chat(prefix, add_generation_prompt=generation_prompt)
+            return tokenizer.render_chat(chat, add_generation_prompt=generation_prompt)
         except ValueError:
             raise
         except Exception as exc:  # jinja errors of the template itself (e.g. roles must alternate)
             raise ValueError(f"the chat template cannot render it: {type(exc).__name__}: {exc}") from None
 
-    full = render(messages, False)
+    def render_prefix(n: int, generation_prompt: bool) -> str:
+        known = rendered.get((n, generation_prompt))
+        return render(messages[:n], generation_prompt) if known is None else known
+
+    full = render_prefix(len(messages), False)
     segments: list[tuple[str, bool]] = []
     done = 0
-    for k, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before, after = render(messages[:k], True), render(messages[: k + 1], False)
+    for k in answers:
+        message = messages[k]
+        before, after = render_prefix(k, True), render_prefix(k + 1, False)
         if message.get("tool_calls"):
             plain = {key: value for key, value in message.items() if key != "tool_calls"}
             if render([*messages[:k], plain], False) == after:  # the template ignores tool_calls

@@ -62,6 +62,12 @@ class ByteTokenizer:
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         raise ValueError(_no_template(self.name))
 
+    def render_chat_prefixes(
+        self, messages: list[dict[str, Any]], prefixes: list[tuple[int, bool]]
+    ) -> dict[tuple[int, bool], str] | None:
+        """``None``: no template (``render_chat`` raises the error)."""
+        return None
+
 
 @dataclass(frozen=True)
 class HFTokenizer:
@@ -96,6 +102,42 @@ class HFTokenizer:
         return self._tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt
         )
+
+    def render_chat_prefixes(
+        self, messages: list[dict[str, Any]], prefixes: list[tuple[int, bool]]
+    ) -> dict[tuple[int, bool], str] | None:
+        """``{(n, g): render_chat(messages[:n], add_generation_prompt=g)}`` for each prefix, or ``None``.
+
+        The same strings as :meth:`render_chat`, at a fraction of its cost: ``apply_chat_template`` copies and
+        normalises every message of every prefix it is given (most of its time), so a conversation's prefixes
+        cost O(turns^2) copies; here the messages are prepared once, by ``transformers``' own functions, and
+        each prefix is a slice of them rendered by ``transformers``' own compiled template with the variables
+        ``apply_chat_template`` passes (its special tokens; no tools, no documents). Those helpers are private,
+        so their absence or any error (a template error, an empty prefix) returns ``None``: the caller then
+        renders with :meth:`render_chat`, which raises the error it would have raised.
+        """
+        if not self.chat_template or any(n < 1 for n, _ in prefixes):
+            return None  # apply_chat_template refuses an empty conversation: let it say so
+        try:
+            from transformers import PreTrainedTokenizerBase
+            from transformers.utils import chat_template_utils as ctu
+
+            if type(self._tokenizer).apply_chat_template is not PreTrainedTokenizerBase.apply_chat_template:
+                return None  # a tokenizer class with its own rendering: only it knows what it does
+
+            template = ctu._compile_jinja_template(self._tokenizer.get_chat_template())  # cached by its text
+            chat = ctu._alias_reasoning_fields(
+                ctu._plain_template_data(ctu._normalize_chat_messages(messages))
+            )  # per message, so a prefix of it is the prepared prefix
+            variables = ctu._plain_template_data(dict(self._tokenizer.special_tokens_map))
+            return {
+                (n, generation): template.render(
+                    messages=chat[:n], tools=None, documents=None, add_generation_prompt=generation, **variables
+                )
+                for n, generation in prefixes
+            }
+        except Exception:  # any failure: the public path renders (or raises) instead
+            return None
 
     def fingerprint(self) -> str:
         tok = self._tokenizer

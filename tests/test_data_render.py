@@ -1,0 +1,110 @@
+"""Chat rendering's fast path (all prefixes of a conversation rendered together) gives exactly the ids and target
+masks of the one-render-per-prefix path, and the same errors, on a varied set of conversations and templates."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nemo_automodel.components.config.schema import DataConfig
+from nemo_automodel.components.datasets import chat_demo
+from nemo_automodel.components.datasets.formats import record_to_document
+from nemo_automodel.components.datasets.tokenizer import HFTokenizer
+from tests.recipe_helpers import save_chat_tokenizer
+
+# Exercises what apply_chat_template prepares: its special-token variables (bos/eos), None-valued keys dropped
+# ('name': None is then undefined), reasoning aliases ('reasoning' -> reasoning_content), tool calls, a system
+# turn folded into the first turn, and raise_exception (roles must alternate after the system turn).
+RICH_TEMPLATE = (
+    "{{ bos_token or '' }}{% for m in messages %}"
+    "{% if loop.first and m['role'] == 'system' %}system: {{ m['content'] }}\n"
+    "{% else %}"
+    "{% if m['role'] in ['user', 'assistant'] and (m['role'] == 'user') != "
+    "((loop.index0 - (1 if messages[0]['role'] == 'system' else 0)) % 2 == 0) %}"
+    "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+    "<|{{ m['role'] }}|>{% if m.name is defined %}({{ m.name }}) {% endif %}"
+    "{% if m.reasoning_content is defined %}think: {{ m.reasoning_content }}\n{% endif %}"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}call {{ c['function']['name'] }}: "
+    "{{ c['function']['arguments'] }}{% endfor %}"
+    "{% elif m.content is defined %}{{ m['content'] }}{% else %}none{% endif %}{{ eos_token }}\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+# Renders the last turn differently: answer spans cannot be found (both paths must refuse it alike).
+LAST_TURN_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% if loop.last %}!{% endif %}<|end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+CALL = {"type": "function", "function": {"name": "weather", "arguments": "city Paris"}}
+USER, ANSWER = {"role": "user", "content": "What is 3 plus 4?"}, {"role": "assistant", "content": "3 plus 4 is 7."}
+VARIED = [
+    [USER, ANSWER],
+    [{"role": "system", "content": "Answer in one short sentence."}, USER, ANSWER, USER, ANSWER, USER, ANSWER],
+    [{"role": "user", "content": "hi", "name": None}, {"role": "assistant", "content": " "}],  # empty answer
+    [USER, {"role": "assistant", "content": ""}, USER, ANSWER],
+    [USER, {"role": "assistant", "content": "Paris.", "reasoning": "capital of France"}],
+    [USER, {"role": "assistant", "content": None, "tool_calls": [CALL]}, {"role": "tool", "content": "sunny"}, ANSWER],
+    [USER, ANSWER, USER],  # ends with a user turn
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi", "name": "ann"}, ANSWER],
+    [USER, ANSWER, ANSWER],  # roles do not alternate: the rich template raises
+    [ANSWER, USER, ANSWER],  # starts with an answer: an empty prefix (apply_chat_template refuses it)
+]
+
+
+@dataclass(frozen=True)
+class OnePerPrefix:
+    """``tokenizer`` without the fast path: every prefix rendered by its own ``apply_chat_template`` call."""
+
+    tokenizer: HFTokenizer
+
+    def render_chat_prefixes(self, messages: Any, prefixes: Any) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tokenizer, name)
+
+
+def _document_or_error(tokenizer: Any, messages: list[dict[str, Any]], loss_on: str) -> Any:
+    cfg = DataConfig(source="chat", loss_on=loss_on)
+    try:
+        doc = record_to_document(cfg, {"messages": messages}, tokenizer)
+    except ValueError as exc:
+        return f"ValueError: {exc}"
+    return doc.ids, doc.targets, doc.answer_ends
+
+
+def _assert_same(tokenizer: HFTokenizer, conversations: list[list[dict[str, Any]]]) -> None:
+    for i, messages in enumerate(conversations):
+        for loss_on in ("answer", "all"):
+            fast, slow = (_document_or_error(t, messages, loss_on) for t in (tokenizer, OnePerPrefix(tokenizer)))
+            assert fast == slow, f"conversation {i} ({loss_on}): {messages}"
+
+
+def _tokenizer(tmp_path: Path, template: str) -> HFTokenizer:
+    save_chat_tokenizer(tmp_path / "tokenizer", template)
+    return HFTokenizer.load(str(tmp_path / "tokenizer"))
+
+
+def test_the_shipped_chat_demo_gives_the_same_ids_and_targets_on_both_paths():
+    tokenizer = HFTokenizer.load(str(chat_demo.ASSETS / chat_demo.TOKENIZER_DIR))
+    shipped = (chat_demo.ASSETS / chat_demo.CHATS_FILE).read_text().splitlines()
+    conversations = [json.loads(line)["messages"] for line in shipped[:600]]
+    assert tokenizer.render_chat_prefixes(conversations[0], [(1, True), (2, False)]) is not None  # the fast path ran
+    _assert_same(tokenizer, conversations + VARIED[:8])
+
+
+@pytest.mark.parametrize("template", [RICH_TEMPLATE, LAST_TURN_TEMPLATE], ids=["rich", "last-turn"])
+def test_varied_conversations_and_templates_give_the_same_ids_targets_and_errors(tmp_path, template):
+    tokenizer = _tokenizer(tmp_path, template)
+    _assert_same(tokenizer, VARIED)
+    outcomes = [_document_or_error(tokenizer, messages, "answer") for messages in VARIED]
+    errors = [o for o in outcomes if isinstance(o, str)]
+    if template == RICH_TEMPLATE:  # the set covers successes and a template error (the fallback path)
+        assert len(errors) == 2 and all("roles must alternate" in e for e in errors)
+        assert tokenizer.render_chat_prefixes(VARIED[8], [(3, False)]) is None
+    else:  # and spans that cannot be found, the tool-call probe, an empty prefix (apply_chat_template refuses it)
+        assert len(errors) == len(VARIED) and "tool calls" in errors[5] and "empty conversation" in errors[-1]
+        assert all("renders turn" in e for e in errors[:5] + errors[6:-1])
