@@ -228,28 +228,58 @@ def _chat_segments(messages: list[dict[str, Any]], tokenizer: Any) -> list[tuple
     return [(text, answer) for text, answer in segments if text]
 
 
-def _tokenize_segments(segments: list[tuple[str, bool]], tokenizer: Any, all_targets: bool) -> Document:
+def _segments(cfg: DataConfig, record: dict[str, Any], tokenizer: Any) -> list[tuple[str, bool]]:
+    """A checked record's text as ``(text, is_answer)`` segments, each tokenized on its own."""
+    if cfg.source == "chat":
+        return _chat_segments(record[cfg.messages_field], tokenizer)
+    if cfg.source == "instruction":
+        return [(record[cfg.prompt_field], False), (record[cfg.completion_field], True)]
+    return [(record[cfg.text_field], True)]
+
+
+def _document(cfg: DataConfig, segments: list[tuple[str, bool]], tokens: list[list[int]]) -> Document:
+    """The document of ``segments`` given each one's token ids ``tokens`` (text: every token a target)."""
+    if cfg.source not in ("chat", "instruction"):
+        return Document(tokens[0])
+    all_targets = not answer_only(cfg)
     ids: list[int] = []
     targets: list[bool] = []
     ends: list[int] = []
-    for text, answer in segments:
-        tokens = tokenizer.encode(text)
-        ids += tokens
-        targets += [answer or all_targets] * len(tokens)
+    for (_, answer), segment in zip(segments, tokens, strict=True):
+        ids += segment
+        targets += [answer or all_targets] * len(segment)
         if answer:
             ends.append(len(ids))
     return Document(ids, targets, tuple(ends))
 
 
+def records_to_documents(cfg: DataConfig, records: list[dict[str, Any]], tokenizer: Any) -> list[Document | ValueError]:
+    """Checked records as documents (before EOS and any length policy), in order.
+
+    The segments of all ``records`` are tokenized in one ``tokenizer.encode_batch`` call (the same ids as one
+    ``encode`` per segment, with one call's overhead). A record that cannot be converted gets the ``ValueError``
+    it raises in its place, for the caller to raise in record order.
+    """
+    segmented: list[list[tuple[str, bool]] | ValueError] = []
+    for record in records:
+        try:
+            segmented.append(_segments(cfg, record, tokenizer))
+        except ValueError as exc:
+            segmented.append(exc)
+    texts = [text for segments in segmented if not isinstance(segments, ValueError) for text, _ in segments]
+    tokens = iter(tokenizer.encode_batch(texts))
+    return [
+        segments if isinstance(segments, ValueError) else _document(cfg, segments, [next(tokens) for _ in segments])
+        for segments in segmented
+    ]
+
+
 def record_to_document(cfg: DataConfig, record: dict[str, Any], tokenizer: Any) -> Document:
     """One checked record as a document (before EOS and before any length policy)."""
-    if cfg.source == "chat":
-        segments = _chat_segments(record[cfg.messages_field], tokenizer)
-        return _tokenize_segments(segments, tokenizer, all_targets=not answer_only(cfg))
-    if cfg.source == "instruction":
-        segments = [(record[cfg.prompt_field], False), (record[cfg.completion_field], True)]
-        return _tokenize_segments(segments, tokenizer, all_targets=not answer_only(cfg))
-    return Document(tokenizer.encode(record[cfg.text_field]))
+    doc = records_to_documents(cfg, [record], tokenizer)[0]
+    if isinstance(doc, ValueError):
+        raise doc
+    return doc
 
 
 def with_eos(doc: Document, eos_id: int | None) -> Document:

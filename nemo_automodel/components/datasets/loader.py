@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import logging
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -23,11 +23,12 @@ from nemo_automodel.components.config.schema import DataConfig
 from nemo_automodel.components.datasets.cache import DataCache
 from nemo_automodel.components.datasets.documents import DocumentTable, DocumentTableBuilder
 from nemo_automodel.components.datasets.formats import (
+    Document,
     FormatStats,
     check_record,
     empty_answers,
     fit_conversation,
-    record_to_document,
+    records_to_documents,
     with_eos,
 )
 from nemo_automodel.components.datasets.packing import PackedData, PackedRows, pack_documents
@@ -36,6 +37,10 @@ from nemo_automodel.components.datasets.sources import RecordLimit, read_records
 from nemo_automodel.components.datasets.synthetic import synthetic_documents
 
 logger = logging.getLogger("nemo_automodel.finetune")
+T = TypeVar("T")
+# Records converted together: their segments are tokenized in one batched call (a few hundred: the call's
+# overhead is spread, the chunk's rows and strings stay small).
+_CHUNK = 256
 
 
 def eos_for(cfg: DataConfig, tokenizer: Any) -> int | None:
@@ -55,8 +60,9 @@ def to_documents(
 ) -> tuple[DocumentTable, FormatStats]:
     """Checked records as documents with EOS; chat/instruction rows fitted to ``seq_len`` per the policy.
 
-    ``records`` are consumed as they come (read lazily: no record outlives its conversion), and each document
-    goes straight into a :class:`DocumentTable` (flat arrays, a few bytes a token). A ``None`` record is one over
+    ``records`` are consumed as they come (read lazily, converted :data:`_CHUNK` at a time: their segments are
+    tokenized in one batched call), and each document goes straight into a :class:`DocumentTable` (flat arrays,
+    a few bytes a token). A ``None`` record is one over
     ``data.max_record_bytes`` that was dropped unread (counted).
 
     Raises:
@@ -68,41 +74,21 @@ def to_documents(
     docs = DocumentTableBuilder()
     stats = FormatStats()
     total = len(records) if isinstance(records, list) else None
-    for where, record in progress(records, "reading, rendering and tokenizing", show, total):
-        stats.records += 1
-        if record is None:
-            stats.too_large += 1
-            if len(stats.too_large_rows) < 3:
-                stats.too_large_rows.append(where)
-            continue
-        if cfg.source == "chat":
-            _count_empty_answers(cfg, record[cfg.messages_field], where, stats)
-        try:
-            doc = record_to_document(cfg, record, tokenizer)
-        except ValueError as exc:
-            raise ValueError(f"{where}: {exc}") from None
-        if not doc.ids:
-            stats.empty += 1
-            continue
-        if cfg.source in ("synthetic", "text"):  # long text is split or truncated when packed
-            docs.append(with_eos(doc, eos))
-            continue
-        full = len(with_eos(doc, eos).ids)
-        if full <= cfg.seq_len:
-            docs.append(with_eos(doc, eos))
-            continue
-        if cfg.long_conversations == "error":
-            raise ValueError(
-                f"{where}: {full} tokens, longer than data.seq_len={cfg.seq_len}; raise data.seq_len, or set "
-                "data.long_conversations=leading_turns (keep the turns that fit) or drop"
-            )
-        fitted = fit_conversation(doc, cfg.seq_len, eos) if cfg.long_conversations == "leading_turns" else None
-        if fitted is None:
-            stats.dropped += 1
-            stats.dropped_rows.append(where)
-        else:
-            stats.cut += 1
-            docs.append(fitted)
+    for chunk in _chunks(progress(records, "reading, rendering and tokenizing", show, total), _CHUNK):
+        converted = iter(records_to_documents(cfg, [record for _, record in chunk if record is not None], tokenizer))
+        for where, record in chunk:  # in record order: the first bad record is the one named
+            stats.records += 1
+            if record is None:
+                stats.too_large += 1
+                if len(stats.too_large_rows) < 3:
+                    stats.too_large_rows.append(where)
+                continue
+            if cfg.source == "chat":
+                _count_empty_answers(cfg, record[cfg.messages_field], where, stats)
+            doc = next(converted)
+            if isinstance(doc, ValueError):
+                raise ValueError(f"{where}: {doc}") from None
+            _add_document(cfg, doc, eos, where, docs, stats)
     if stats.empty_answers:
         logger.warning(
             "data: %d assistant answers are empty (e.g. %s): the model learns to end its turn there; fill them in "
@@ -111,6 +97,51 @@ def to_documents(
             ", ".join(stats.empty_answer_rows[:3]),
         )
     return docs.build(), stats
+
+
+def _add_document(
+    cfg: DataConfig, doc: Document, eos: int | None, where: str, docs: DocumentTableBuilder, stats: FormatStats
+) -> None:
+    """Add ``doc`` with EOS, chat/instruction rows fitted to ``seq_len`` per ``data.long_conversations``."""
+    if not doc.ids:
+        stats.empty += 1
+        return
+    if cfg.source in ("synthetic", "text"):  # long text is split or truncated when packed
+        docs.append(with_eos(doc, eos))
+        return
+    full = len(with_eos(doc, eos).ids)
+    if full <= cfg.seq_len:
+        docs.append(with_eos(doc, eos))
+        return
+    if cfg.long_conversations == "error":
+        raise ValueError(
+            f"{where}: {full} tokens, longer than data.seq_len={cfg.seq_len}; raise data.seq_len, or set "
+            "data.long_conversations=leading_turns (keep the turns that fit) or drop"
+        )
+    fitted = fit_conversation(doc, cfg.seq_len, eos) if cfg.long_conversations == "leading_turns" else None
+    if fitted is None:
+        stats.dropped += 1
+        stats.dropped_rows.append(where)
+    else:
+        stats.cut += 1
+        docs.append(fitted)
+
+
+def _chunks(items: Iterable[T], size: int) -> Iterator[list[T]]:
+    """``items`` in lists of ``size``; an error while reading comes after the items read before it."""
+    chunk: list[T] = []
+    try:
+        for item in items:
+            chunk.append(item)
+            if len(chunk) == size:
+                yield chunk
+                chunk = []
+    except Exception:
+        if chunk:
+            yield chunk  # earlier rows first: their errors are named before the reader's
+        raise
+    if chunk:
+        yield chunk
 
 
 def _count_empty_answers(cfg: DataConfig, messages: list[dict[str, Any]], where: str, stats: FormatStats) -> None:
