@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_automodel.components.distributed.blockdiag_cp.layout import ShardPlan
+from nemo_automodel.components.distributed.blockdiag_cp.rows import cat_rows
 
 # (owner rank, start inside the owner's local chunk, length)
 Piece = tuple[int, int, int]
@@ -522,7 +523,7 @@ def send_buffer(
         elif not send:  # nothing to send, but the buffer must stay in the graph: its backward receives
             picked = whole[:, :, :0]
         else:
-            picked = pieces[send[0]] if len(send) == 1 else torch.cat([pieces[i] for i in send], dim=2)
+            picked = cat_rows([pieces[i] for i in send])
         parts.append(picked[0].transpose(0, 1))  # [T, Hkv, D]: a view; models usually hold this layout already
     if key.shape[3] == value.shape[3]:
         return torch.cat(parts, dim=1).flatten(1)
@@ -534,19 +535,32 @@ def split_received(
 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """The received rows ``[R, F]`` as key and value chunks ``[1, Hkv, n, D]`` (views, split once at ``cuts``)."""
     heads, key_dim = key.shape[1], key.shape[3]
-    keys = received[:, : heads * key_dim].unflatten(1, (heads, key_dim))
-    values = received[:, heads * key_dim :].unflatten(1, (heads, value.shape[3]))
-    key_chunks = tuple(c.unsqueeze(0) for c in keys.transpose(0, 1).split(cuts, dim=1))
-    value_chunks = tuple(c.unsqueeze(0) for c in values.transpose(0, 1).split(cuts, dim=1))
-    return key_chunks, value_chunks
+    # one split per axis (autograd joins a split's gradients once; each slice would get a zero-filled buffer),
+    # along tokens first, so the chunks' gradients join into token-major rows like the buffer's
+    keys, values = received.split([heads * key_dim, heads * value.shape[3]], dim=1)
+
+    def chunks(rows: torch.Tensor, dim: int) -> tuple[torch.Tensor, ...]:
+        pieces = (rows,) if len(cuts) == 1 else rows.split(cuts, dim=0)
+        return tuple(c.unflatten(1, (heads, dim)).transpose(0, 1).unsqueeze(0) for c in pieces)
+
+    return chunks(keys, key_dim), chunks(values, value.shape[3])
 
 
 def assemble(
-    local: tuple[torch.Tensor, ...], received: tuple[torch.Tensor, ...] | None, runs: tuple[ChunkRun, ...]
+    whole: torch.Tensor,
+    local: tuple[torch.Tensor, ...],
+    received: tuple[torch.Tensor, ...] | None,
+    runs: tuple[ChunkRun, ...],
 ) -> torch.Tensor:
-    """A group's packed keys (or values) ``[1, Hkv, K, D]`` from local and received chunks ``[1, Hkv, n, D]``."""
-    parts = [c for from_received, a, b in runs for c in (received if from_received else local)[a:b]]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+    """A group's packed keys (or values) ``[1, Hkv, K, D]`` from local and received chunks ``[1, Hkv, n, D]``.
+
+    ``whole`` is the local tensor ``[1, Hkv, L, D]`` that ``local`` splits. Keys that are all of it (a
+    rank whose documents all start on it) are ``whole`` itself; one chunk is returned as it is (a view);
+    more are joined token-major (:func:`~.rows.cat_rows`).
+    """
+    if runs == ((False, 0, len(local)),):
+        return whole
+    return cat_rows([c for from_received, a, b in runs for c in (received if from_received else local)[a:b]])
 
 
 def anchor_like(heads: int, dim: int, received: torch.Tensor) -> torch.Tensor:

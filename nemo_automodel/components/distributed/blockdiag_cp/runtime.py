@@ -34,6 +34,7 @@ from nemo_automodel.components.distributed.blockdiag_cp.consensus import CallRec
 from nemo_automodel.components.distributed.blockdiag_cp.exchange import ExchangeOp, KVPlan, Route
 from nemo_automodel.components.distributed.blockdiag_cp.logs import log_once
 from nemo_automodel.components.distributed.blockdiag_cp.metadata import AttentionGroup, WindowPlan, build_window_plan
+from nemo_automodel.components.distributed.blockdiag_cp.rows import cat_rows, split_rows
 from nemo_automodel.components.distributed.blockdiag_cp.state import StepState
 from nemo_automodel.components.distributed.blockdiag_cp.variant import PLAIN, AttentionVariant, PlanKey, plan_key
 
@@ -368,14 +369,16 @@ def _run_group(
 def _query_parts(plan: WindowPlan, query: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Each group's query rows ``[1, Hq, n_g, D]`` and the padding rows, in group order.
 
-    One ``split`` when every group's rows are contiguous (they then tile the
-    real rows in order): autograd fills one zero gradient for it, not one per slice.
+    One token-major ``split`` when every group's rows are contiguous (they then tile the
+    real rows in order; the layout orders them so): autograd fills one zero gradient for it,
+    not one per slice, and joins the groups' gradients in the model's layout.
     """
     n_real = plan.segments.n_real
     if all(isinstance(group.rows, tuple) for group in plan.groups):
         sizes = [group.rows[1] - group.rows[0] for group in plan.groups]
-        parts = query.split([*sizes, query.shape[2] - n_real], dim=2)
-        return list(parts[:-1]), parts[-1]
+        padding = query.shape[2] - n_real
+        parts = split_rows(query, [*sizes, padding] if padding else sizes)
+        return list(parts[: len(sizes)]), parts[-1] if padding else query[:, :, n_real:]
     return [group.take_rows(query) for group in plan.groups], query[:, :, n_real:]
 
 
@@ -397,7 +400,7 @@ def _attend(
     Returns:
         ``[1, Hq, L, Dv]`` in local row order; padding rows are zero.
     """
-    local = (key.split(route.local_cuts, dim=2), value.split(route.local_cuts, dim=2))
+    local = (split_rows(key, route.local_cuts), split_rows(value, route.local_cuts))
     op: ExchangeOp | None = None
     token = received = None
     if state.cp_size > 1:
@@ -413,8 +416,8 @@ def _attend(
         if not group.local and remote is None:
             received = received if received is not None else exchange.wait(token, op)
             remote = exchange.split_received(received, key, value, route.received_cuts)
-        k = exchange.assemble(local[0], None if remote is None else remote[0], runs)
-        v = exchange.assemble(local[1], None if remote is None else remote[1], runs)
+        k = exchange.assemble(key, local[0], None if remote is None else remote[0], runs)
+        v = exchange.assemble(value, local[1], None if remote is None else remote[1], runs)
         outputs.append(_run_group(group, q, k, v, kernel, recorder, scale, dropout_p, variant))
     if op is not None and received is None:
         received = exchange.wait(token, op)
@@ -423,7 +426,7 @@ def _attend(
         # keeps sinks in the graph on a rank with no real rows: its (zero) gradient is defined on every rank
         outputs.append(kernels.zeros_attached(padding, *variant.tensors, width=value.shape[3]))
     parts += outputs
-    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+    out = cat_rows(parts)  # token-major: the model reads it back through transpose(1, 2) without a copy
     if plan.merge_index is not None:
         out = out.index_select(2, plan.merge_index)
     if op is not None:
