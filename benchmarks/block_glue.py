@@ -46,6 +46,8 @@ class WrittenBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
         name = func.__name__.split(".")[0]
+        if name.startswith(("empty", "new_empty")):  # an allocation writes nothing
+            return out
         if name.endswith("_") and _tensors(args):  # in place: the first argument is written
             written = _tensors(args)[:1]
         else:

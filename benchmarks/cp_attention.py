@@ -24,6 +24,7 @@ Usage::
 
     python benchmarks/cp_attention.py --workload W8K
     python benchmarks/cp_attention.py --workload DOC131K --combos contiguous:halo:sdpa_varlen,balanced:a2a:sdpa_varlen
+    python benchmarks/cp_attention.py --workload V8K --variants --rounds 3   # sinks, soft-cap, window vs plain
 """
 
 from __future__ import annotations
@@ -31,45 +32,32 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
-import random
 import resource
 import statistics
 import time
 import warnings
 from dataclasses import asdict, dataclass, replace
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
 from nemo_automodel.components.distributed.blockdiag_cp import (
     AttentionVariant,
     configure_cp_varlen,
-    cp_blockdiag_sdpa,
     exchange,
     exchange_stats,
     make_cp_blockdiag_batch_and_ctx,
 )
 from nemo_automodel.components.distributed.blockdiag_cp.layout import balance, doc_runs_from_lengths, make_shard_plan
 from nemo_automodel.components.distributed.blockdiag_cp.runtime import reset_exchange_stats
-from nemo_automodel.components.launcher.local import free_port
+from nemo_automodel.testing.dist import init_gloo, run_ranks
+from nemo_automodel.testing.workloads import AttentionBlock, sft_mix
 
 BASELINE = ("contiguous", "allgather", "dense")
 UPSTREAM = ("contiguous", "allgather", "upstream_dense")
 EXCHANGES = ("allgather", "halo", "a2a", "auto")
-
-
-def sft_mix(total: int, seed: int = 0, max_len: int = 16384) -> tuple[int, ...]:
-    """A long-tailed SFT-like mix of document lengths filling ``total`` tokens (log-uniform, 16..max_len)."""
-    rng = random.Random(seed)
-    lengths: list[int] = []
-    while sum(lengths) < total:
-        lengths.append(min(int(2 ** rng.uniform(4, max_len.bit_length() - 1)), total - sum(lengths)))
-    return tuple(lengths)
 
 
 @dataclass(frozen=True)
@@ -86,6 +74,8 @@ class Workload:
     iters: int = 5
     kernels: tuple[str, ...] = ("sdpa_varlen",)
     window: int | None = None  # sliding window of the attention calls (None: full causal)
+    softcap: float | None = None  # logit soft-cap of the attention calls (None: none)
+    sinks: bool = False  # one learned sink logit per query head (a parameter of the block)
 
 
 WORKLOADS = {
@@ -93,12 +83,14 @@ WORKLOADS = {
     "W8K": Workload(8192, (3000, 2000, 1500, 1000), kernels=("dense", "sdpa_varlen")),
     # Long-tailed SFT mixes (MIX32K has documents longer than a shard). At 131072 tokens
     # the heads are reduced (2/1 x 32) so that CPU iterations take seconds, not minutes.
-    "MIX32K": Workload(32768, sft_mix(32768, seed=1, max_len=20000)),
+    "MIX32K": Workload(32768, tuple(sft_mix(32768, 20000, seed=1))),
     # The issue-2 memory check: 131072 tokens, W8K's heads (8/4 x 64), a realistic mix (16 to 16384 tokens).
-    "S131K": Workload(131072, sft_mix(131072), iters=2),  # a memory check: 2 timed iterations
-    "MIX131K": Workload(131072, sft_mix(131072, seed=2, max_len=40000), heads=2, kv_heads=1, head_dim=32),
+    "S131K": Workload(131072, tuple(sft_mix(131072, 16384)), iters=2),  # a memory check: 2 timed iterations
+    "MIX131K": Workload(131072, tuple(sft_mix(131072, 40000, seed=2)), heads=2, kv_heads=1, head_dim=32),
     # The recipe's scale: 512 tokens of short documents, its model's heads (8/4 x 32); fixed costs dominate.
-    "R512": Workload(512, sft_mix(512, seed=0, max_len=400), head_dim=32, iters=30),
+    "R512": Workload(512, tuple(sft_mix(512, 400, seed=0)), head_dim=32, iters=30),
+    # The variant rows (--variants): an 8K row of five documents, W8K's heads.
+    "V8K": Workload(8192, (3000, 2000, 1500, 1000, 692)),
     # One document filling the row: the contiguous layout's worst case (1 x 1 x 16 heads for CPU time).
     "DOC131K": Workload(131072, (131072,), heads=1, kv_heads=1, head_dim=16),
 }
@@ -114,12 +106,13 @@ def upstream_dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
         from torch.distributed.nn.functional import all_gather
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from nemo_automodel.components.distributed.blockdiag_cp.compat import row_doc_ids
     from nemo_automodel.components.distributed.blockdiag_cp.state import current_step_state
 
     st = current_step_state()
     k_full = torch.cat(all_gather(k.contiguous(), group=st.group), dim=2)
     v_full = torch.cat(all_gather(v.contiguous(), group=st.group), dim=2)
-    ids = st.doc_ids[0]
+    ids = row_doc_ids(st)[0]
     rows = torch.arange(st.row_offset, st.row_offset + st.local_len)
     cols = torch.arange(ids.numel())
     q_ids = ids[rows]
@@ -129,32 +122,6 @@ def upstream_dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
     k_full, v_full = k_full.repeat_interleave(rep, 1), v_full.repeat_interleave(rep, 1)
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
         return torch.nn.functional.scaled_dot_product_attention(q, k_full, v_full, attn_mask=mask)
-
-
-class AttentionBlock(torch.nn.Module):
-    """``x [1, L, Hq*D]`` -> q/k/v projections -> CP attention -> o projection -> ``[1, L, Hq*D]``."""
-
-    def __init__(
-        self, heads: int, kv_heads: int, head_dim: int, upstream: bool = False, window: int | None = None
-    ) -> None:
-        super().__init__()
-        hidden = heads * head_dim
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.variant = AttentionVariant(window=window)
-        self.attention = upstream_dense_attention if upstream else self._cp_attention
-        self.q = torch.nn.Linear(hidden, hidden, bias=False)
-        self.kv = torch.nn.Linear(hidden, 2 * kv_heads * head_dim, bias=False)
-        self.o = torch.nn.Linear(hidden, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        length = x.shape[1]
-        q = self.q(x).view(1, length, self.heads, self.head_dim).transpose(1, 2)
-        kv = self.kv(x).view(1, length, 2 * self.kv_heads, self.head_dim).transpose(1, 2)
-        out = self.attention(q, *kv.chunk(2, dim=1))
-        return self.o(out.transpose(1, 2).reshape(1, length, -1))
-
-    def _cp_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return cp_blockdiag_sdpa(q, k, v, enable_gqa=self.heads != self.kv_heads, variant=self.variant)
 
 
 def _rss_mib() -> float:
@@ -183,21 +150,25 @@ def _packed_ids(work: Workload) -> torch.Tensor:
     return ids
 
 
-def _timed(block: torch.nn.Module, ctx: Any, x: torch.Tensor, work: Workload) -> tuple[list[float], list[float]]:
-    """Per timed iteration: wall time, and seconds blocked on K/V exchanges (forward + backward)."""
-    times, waits = [], []
+def _timed(
+    block: torch.nn.Module, ctx: Any, x: torch.Tensor, work: Workload
+) -> tuple[list[float], list[float], list[float]]:
+    """Per timed iteration: wall time, seconds blocked on K/V exchanges (forward + backward), and this
+    process's CPU time (less sensitive than wall time to other work on a shared machine)."""
+    times, waits, cpu = [], [], []
     for it in range(work.warmup + work.iters):
         dist.barrier()
         reset_exchange_stats()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         with ctx():
             block(x).sum().backward()
-        elapsed = time.perf_counter() - start
+        elapsed, elapsed_cpu = time.perf_counter() - start, time.process_time() - start_cpu
         stats = exchange_stats() or {}
         if it >= work.warmup:
             times.append(elapsed)
+            cpu.append(elapsed_cpu)
             waits.append(stats.get("exchange_wait_s", 0.0) + stats.get("exchange_backward_wait_s", 0.0))
-    return times, waits
+    return times, waits, cpu
 
 
 def _exchange_alone(ctx: Any, work: Workload, local_len: int, path: str, reps: int = 5) -> float:
@@ -271,15 +242,19 @@ def _worker(
     results: Any,
 ) -> None:
     torch.set_num_threads(threads)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=work.cp, init_method=f"tcp://127.0.0.1:{port}", timeout=timedelta(minutes=30)
-    )
+    init_gloo(rank, work.cp, port, timeout_s=30 * 60)
     bare_rss = _rss_mib()
     torch.manual_seed(0)
     upstream = combo.backend == UPSTREAM[2]
-    if upstream and work.window is not None:
-        raise ValueError("--window: the upstream baseline has no sliding window; leave upstream_dense out of --combos")
-    block = AttentionBlock(work.heads, work.kv_heads, work.head_dim, upstream=upstream, window=work.window)
+    if upstream and (work.window is not None or work.softcap is not None or work.sinks):
+        raise ValueError(
+            "--window/--variants: the upstream baseline has no attention variants; leave upstream_dense out of --combos"
+        )
+    attention = upstream_dense_attention if upstream else None
+    sinks = torch.nn.Parameter(torch.zeros(work.heads)) if work.sinks else None  # one learned logit per query head
+    variant = AttentionVariant(window=work.window, softcap=work.softcap, sinks=sinks)
+    block = AttentionBlock(work.heads, work.kv_heads, work.head_dim, attention, variant)
+    block.sinks = sinks  # registered, so the sinks are one of the block's parameters
     ids = _packed_ids(work)
     mesh = init_device_mesh("cpu", (work.cp,), mesh_dim_names=("cp",))
     batch = {"input_ids": torch.zeros_like(ids), "_packed_seq_ids": ids}
@@ -295,8 +270,9 @@ def _worker(
             layout=combo.layout,
         )
         x = torch.randn(1, shard.local_len, work.heads * work.head_dim, requires_grad=True)
-        times, waits = _timed(block, ctx, x, work)
+        times, waits, cpu = _timed(block, ctx, x, work)
         row["times" if overlap else "times_no_overlap"] = times
+        row["cpu_times" if overlap else "cpu_times_no_overlap"] = cpu
         row["waits" if overlap else "waits_no_overlap"] = waits
     # the upstream baseline bypasses cp_blockdiag_sdpa: it all-gathers everything
     row["stats"] = exchange_stats() or {
@@ -322,37 +298,12 @@ def _slowest(ranks: list[dict[str, Any]], key: str) -> list[float]:
     return [max(step) for step in zip(*(r[key] for r in ranks))]
 
 
-def _collect(results: Any, procs: list[Any]) -> list[dict[str, Any]]:
-    """One result row per worker; raise as soon as a worker exits without one (instead of waiting forever)."""
-    rows: list[dict[str, Any]] = []
-    while len(rows) < len(procs):
-        try:
-            rows.append(results.get(timeout=1.0))
-        except queue.Empty:
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if dead:
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(f"a benchmark worker failed (exit codes {dead}); its traceback is above") from None
-    for p in procs:
-        p.join()
-    return rows
-
-
 def run_combo(
     work: Workload, combo: Combo, threads: int, overlap_baseline: bool, efficiency: bool = False
 ) -> dict[str, Any]:
     """Run one combination on ``work.cp`` fresh processes; return the reported figures."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, port, work, combo, threads, overlap_baseline, efficiency, results))
-        for r in range(work.cp)
-    ]
-    for p in procs:
-        p.start()
-    ranks = sorted(_collect(results, procs), key=lambda r: r["rank"])
+    runs = run_ranks(_worker, work.cp, work, combo, threads, overlap_baseline, efficiency)
+    ranks = sorted(runs, key=lambda r: r["rank"])
     received = [r["stats"]["kv_tokens_received"] for r in ranks]
     bounds = [r["lower_bound"] for r in ranks]
     row = {
@@ -360,6 +311,7 @@ def run_combo(
         "path": ranks[0]["stats"]["path"],
         "kernel": ranks[0]["stats"]["attn_backend"],
         "median_s": statistics.median(_slowest(ranks, "times")),
+        "median_cpu_s": statistics.median(_slowest(ranks, "cpu_times")),
         "balance": ranks[0]["balance"],
         "peak_rss_mib": [round(r["peak_rss_mib"]) for r in ranks],
         "bare_rss_mib": [round(r["bare_rss_mib"]) for r in ranks],
@@ -425,6 +377,61 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+# The variant rows: name -> the Workload fields that make it (issue 22: sinks <= 1.25x, soft-cap <= 1.5x and a
+# 1024-token window <= 0.8x of plain causal, fwd + bwd, same run). Soft-cap 50 is Gemma 2's attention cap.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "plain causal": {},
+    "sinks": {"sinks": True},
+    "soft-cap 50": {"softcap": 50.0},
+    "window 1024": {"window": 1024},
+}
+VARIANT_COMBO = Combo("contiguous", "halo", "sdpa_varlen")
+
+
+def run_variants(work: Workload, combo: Combo, threads: int, rounds: int) -> list[dict[str, Any]]:
+    """Each :data:`VARIANTS` row on ``combo``, ``rounds`` times in turn; its ratio to plain causal per round.
+
+    The rows of one round run back to back, so a change of machine load shifts them together; the reported
+    ratio is the median over rounds of (variant's median time / plain causal's median time in that round),
+    for wall time and for CPU time (the slowest rank's process time, which other work on a shared machine
+    disturbs less).
+    """
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in VARIANTS}
+    for _ in range(rounds):
+        for name, fields in VARIANTS.items():
+            runs[name].append(run_combo(replace(work, **fields), combo, threads, False))
+            print(f"done variant {name!r}: {runs[name][-1]['median_s']:.3f}s", flush=True)
+
+    def ratios(name: str, key: str) -> list[float]:
+        return [r[key] / p[key] for r, p in zip(runs[name], runs["plain causal"])]
+
+    return [
+        {
+            "variant": name,
+            "median_s": statistics.median(r["median_s"] for r in runs[name]),
+            "vs_plain": statistics.median(ratios(name, "median_s")),
+            "per_round": [round(x, 2) for x in ratios(name, "median_s")],
+            "median_cpu_s": statistics.median(r["median_cpu_s"] for r in runs[name]),
+            "cpu_vs_plain": statistics.median(ratios(name, "median_cpu_s")),
+            "cpu_per_round": [round(x, 2) for x in ratios(name, "median_cpu_s")],
+        }
+        for name in VARIANTS
+    ]
+
+
+def _variant_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| variant | wall s | vs plain causal (per round) | CPU s | CPU vs plain causal (per round) |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['variant']} | {r['median_s']:.3f} | {r['vs_plain']:.2f}x ({', '.join(map(str, r['per_round']))}) "
+        f"| {r['median_cpu_s']:.3f} | {r['cpu_vs_plain']:.2f}x ({', '.join(map(str, r['cpu_per_round']))}) |"
+        for r in rows
+    ]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="W8K")
@@ -450,6 +457,13 @@ def main() -> None:
         help="also predict each rank's time from this machine's GEMM and flash-SDPA rates (report predicted/measured)",
     )
     parser.add_argument("--window", type=int, help="sliding window of every attention call (default: full causal)")
+    parser.add_argument(
+        "--variants",
+        action="store_true",
+        help=f"time plain causal, sinks, soft-cap and a 1024-token window on one combination (default "
+        f"{':'.join(VARIANT_COMBO.key)}; --combos picks another) and report each against plain causal",
+    )
+    parser.add_argument("--rounds", type=int, default=1, help="--variants: how many times to run every row in turn")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
     work = WORKLOADS[args.workload]
@@ -459,6 +473,19 @@ def main() -> None:
         if args.window < 1:
             parser.error(f"--window {args.window}: must be a positive number of keys")
         work = replace(work, window=args.window)
+    if args.variants:
+        combo = Combo(*args.combos.split(",")[0].split(":")) if args.combos else VARIANT_COMBO
+        rows = run_variants(work, combo, args.threads, args.rounds)
+        print(
+            f"\nworkload {args.workload}: S={work.seq_len} cp={work.cp} Hq={work.heads} Hkv={work.kv_heads} "
+            f"D={work.head_dim} docs={len(work.doc_lens)} threads/rank={args.threads} iters={work.iters} "
+            f"combo={':'.join(combo.key)} rounds={args.rounds}\n"
+        )
+        print(_variant_table(rows))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=2)
+        return
     combos = (
         [Combo(*c.split(":")) for c in args.combos.split(",")] if args.combos else default_combos(work, args.workload)
     )

@@ -13,12 +13,13 @@ import torch
 
 from nemo_automodel.components.distributed.blockdiag_cp import (
     BlockdiagCpModelState,
+    compat,
     configure_cp_varlen,
     current_blockdiag_cp_state,
     make_cp_blockdiag_batch_and_ctx,
 )
-from tests.cases import cp_mesh
-from tests.reference import blockdiag_allowed, doc_ids_from_lengths
+from nemo_automodel.testing.cases import cp_mesh
+from nemo_automodel.testing.reference import blockdiag_allowed, doc_ids_from_lengths
 
 
 def _row(lengths: list[int], total: int) -> dict[str, torch.Tensor]:
@@ -34,7 +35,7 @@ def _row(lengths: list[int], total: int) -> dict[str, torch.Tensor]:
 def _doc_ids_seen_by_state(batch) -> list[int]:
     ctx, _, _ = make_cp_blockdiag_batch_and_ctx(None, None, batch)
     with ctx() as st:
-        return st.doc_ids[0].tolist()
+        return compat.row_doc_ids(st)[0].tolist()
 
 
 def test_document_ids_from_each_source_agree():

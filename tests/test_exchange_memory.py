@@ -17,7 +17,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from nemo_automodel.components.distributed.blockdiag_cp import cp_blockdiag_sdpa, exchange
-from tests.cases import layout
+from nemo_automodel.testing.cases import layout
 from tests.test_runtime import _local_qkv, _step
 
 

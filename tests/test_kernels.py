@@ -7,7 +7,7 @@ import torch
 
 from nemo_automodel.components.distributed.blockdiag_cp import cpu_kernels, kernels
 from nemo_automodel.components.distributed.blockdiag_cp.variant import PLAIN, AttentionVariant
-from tests.reference import reference_attention
+from nemo_automodel.testing.reference import reference_attention
 
 
 def _segment(q_len: int, k_len: int, heads: tuple[int, int]):
@@ -236,3 +236,99 @@ def test_sliding_window_bfloat16_close_to_reference():
     torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-2)
     for g, w in zip(got_grads, want_grads):
         torch.testing.assert_close(g.double(), w, rtol=0, atol=5e-2)
+
+
+FAST_VARIANTS = {
+    "sinks": {"sinks": True},
+    "softcap": {"softcap": 1.5},
+    "sinks-softcap": {"softcap": 2.0, "sinks": True},
+    "window-sinks": {"window": 3, "sinks": True},
+    "window-softcap": {"window": 4, "softcap": 1.5},
+    "window-sinks-softcap": {"window": 5, "softcap": 2.5, "sinks": True},
+}
+
+
+def _variant_of(spec: dict, sinks: torch.Tensor) -> AttentionVariant:
+    return AttentionVariant(
+        window=spec.get("window"), softcap=spec.get("softcap"), sinks=sinks if spec.get("sinks") else None
+    )
+
+
+@pytest.mark.parametrize("tile_rows", [256, 4])
+@pytest.mark.parametrize("heads", [(4, 2), (4, 4)])
+@pytest.mark.parametrize("name", sorted(FAST_VARIANTS))
+def test_sdpa_varlen_variants_take_the_mask_free_paths_and_match_dense(monkeypatch, name, heads, tile_rows):
+    """Soft-cap (:class:`_SoftcapTiles`) and sinks (the flash output rescaled) through the kernel entry point:
+    square, straddling and batched same-shape segments, forward and every gradient (sinks included) equal the
+    explicit-score ``dense`` kernel, and the explicit masked tiles are never used."""
+    monkeypatch.setattr(cpu_kernels, "_TILE_ROWS", tile_rows)  # several tiles per segment, windows across them
+    spec = FAST_VARIANTS[name]
+    q_lens, k_lens = (6, 6, 11, 3, 9), (9, 9, 11, 3, 30)
+    meta = kernels.build_varlen_meta(q_lens, k_lens, sum(q_lens) + 2, "cpu", window=spec.get("window"))
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(1, heads[0], meta.local_len, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (
+        torch.randn(1, heads[1], meta.kv_len, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in "kv"
+    )
+    sinks = torch.linspace(-1.0, 2.0, heads[0], dtype=torch.float64, requires_grad=True)
+    variant = _variant_of(spec, sinks)
+    inputs = (q, k, v, sinks) if variant.sinks is not None else (q, k, v)
+    want, want_grads = _grads_all(lambda q, k, v, *s: cpu_kernels.dense(q, k, v, meta, None, 0.0, variant), inputs)
+
+    def no_masks(*args, **kwargs):
+        raise AssertionError("a variant fell back to explicit masked tiles")
+
+    monkeypatch.setattr(cpu_kernels, "_masked_tiles", no_masks)
+    got, got_grads = _grads_all(lambda q, k, v, *s: cpu_kernels.sdpa_varlen(q, k, v, meta, None, 0.0, variant), inputs)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-11)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-11)
+
+
+@pytest.mark.parametrize("spec", [{"sinks": True}, {"softcap": 2.0, "sinks": True}])
+def test_variant_fallbacks_match_dense(spec):
+    """Dropout-free calls the mask-free paths cannot take (sinks with ``Dv != D``) still equal ``dense``."""
+    q_lens, k_lens = (6, 5), (6, 12)
+    meta = kernels.build_varlen_meta(q_lens, k_lens, 11, "cpu")
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 4, 11, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, 18, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, 18, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float64, requires_grad=True)
+    variant = _variant_of(spec, sinks)
+    inputs = (q, k, v, sinks)
+    got, got_grads = _grads_all(lambda q, k, v, s: cpu_kernels.sdpa_varlen(q, k, v, meta, None, 0.0, variant), inputs)
+    want, want_grads = _grads_all(lambda q, k, v, s: cpu_kernels.dense(q, k, v, meta, None, 0.0, variant), inputs)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-11)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-11)
+
+
+@pytest.mark.parametrize("spec", [{"softcap": 30.0}, {"sinks": True}, {"softcap": 30.0, "window": 600}])
+def test_variants_save_no_score_sized_tensor(spec):
+    """Soft-cap and sinks keep q/k/v, the output, the log-sum-exp and the sinks for backward: nothing [Q, K]."""
+    q, k, v = _segment(1024, 2048, (2, 2))
+    meta = kernels.build_varlen_meta((1024,), (2048,), 1024, "cpu", window=spec.get("window"))
+    variant = _variant_of(spec, torch.zeros(2, dtype=torch.float64, requires_grad=True))
+    saved: list[int] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        cpu_kernels.sdpa_varlen(q, k, v, meta, None, 0.0, variant)
+    assert max(saved) <= k.numel() < 256 * 1024  # a score tile of 256 rows over even half the keys is larger
+
+
+def test_softcap_bfloat16_close_to_reference():
+    """Half precision through the soft-cap tiles: math in fp32, outputs and gradients in bf16."""
+    q, k, v = _window_segments(2, 70, 70 + 20, (4, 2), dim=16)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    kernel = cpu_kernels._SoftcapTiles(2.0, 21, None)
+    half = [t.detach().bfloat16().requires_grad_() for t in (q, k, v)]
+    half_sinks = sinks.detach().bfloat16().requires_grad_()
+    got = cpu_kernels._LseAttention.apply(*half, half_sinks, kernel)
+    got_grads = torch.autograd.grad(got, (*half, half_sinks), grad.bfloat16())
+    want = cpu_kernels._LseAttention.apply(q, k, v, sinks, kernel)
+    want_grads = torch.autograd.grad(want, (q, k, v, sinks), grad)
+    assert got.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in got_grads)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-2)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g.double(), w, rtol=2e-2, atol=5e-2)

@@ -16,7 +16,7 @@ from nemo_automodel.components.distributed.blockdiag_cp import (
     options,
 )
 from nemo_automodel.components.distributed.blockdiag_cp.options import CPOptions
-from tests.cases import cp_mesh, layout
+from nemo_automodel.testing.cases import cp_mesh, layout
 
 
 @pytest.mark.parametrize("name", list(options.UPSTREAM_SPELLINGS))
@@ -89,7 +89,7 @@ def _odd_setting(name: str, value: object) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize(("name", "value"), [("allow_cross_node", True), ("check_finite", False)])
+@pytest.mark.parametrize(("name", "value"), [("allow_cross_node", True), ("check_finite", True)])
 def test_every_setting_is_agreed_by_the_ranks_without_listing_it(pools, name, value):
     """A new CPOptions field is in the row's agreement automatically: ranks that differ all raise, naming it."""
     heads = pools.get(2).run_ok(_odd_setting, name, value, timeout=60)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from nemo_automodel.components.distributed.blockdiag_cp import (
     AttentionVariant,
     CPOptions,
+    compat,
     configure_cp_varlen,
     consensus,
     cp_blockdiag_sdpa,
@@ -24,8 +25,8 @@ from nemo_automodel.components.distributed.blockdiag_cp import (
     runtime,
 )
 from nemo_automodel.components.distributed.blockdiag_cp.logs import reset_log_once
-from tests.cases import cp_mesh, layout
-from tests.reference import doc_ids_from_lengths
+from nemo_automodel.testing.cases import cp_mesh, layout
+from nemo_automodel.testing.reference import doc_ids_from_lengths
 
 # ----------------------------------------------------------------------------- single process
 
@@ -73,12 +74,12 @@ def test_step_snapshot_wins_over_module_config():
         None, None, {"input_ids": torch.ones(1, 4, dtype=torch.long)}, attn_backend="te", kv_exchange="allgather"
     )
     with ctx() as st:
-        assert runtime._resolve_cp_varlen_config(st) == ("te", "allgather")
+        assert compat._resolve_cp_varlen_config(st) == ("te", "allgather")
         configure_cp_varlen(kv_exchange="halo")  # a later default never reaches a built step
-        assert runtime._resolve_cp_varlen_config(st) == ("te", "allgather")
+        assert compat._resolve_cp_varlen_config(st) == ("te", "allgather")
     configure_cp_varlen(attn_backend="dense", kv_exchange="a2a")
-    assert runtime._resolve_cp_varlen_config({"attn_backend": "flash_attn"}) == ("flash", "a2a")
-    assert runtime._resolve_cp_varlen_config({}) == ("dense", "a2a")
+    assert compat._resolve_cp_varlen_config({"attn_backend": "flash_attn"}) == ("flash", "a2a")
+    assert compat._resolve_cp_varlen_config({}) == ("dense", "a2a")
 
 
 # ----------------------------------------------------------------------------- distributed helpers
@@ -161,8 +162,8 @@ def _path_for(ids, env, knobs, broken_rank=None):
         ctx, shard = _step(ids, **knobs)
         q, k, v = _local_qkv(shard)
         with ctx() as st:
-            path, plan, reason = runtime._select_kv_exchange_path(
-                st, st.group, st.doc_ids, shard.local_len, q.device, st.row_offset, query_dtype=q.dtype
+            path, plan, reason = compat._select_kv_exchange_path(
+                st, st.group, compat.row_doc_ids(st), shard.local_len, q.device, st.row_offset, query_dtype=q.dtype
             )
             out = cp_blockdiag_sdpa(q, k, v, enable_gqa=True)
             stats = exchange_stats()
@@ -238,8 +239,8 @@ def _counting_all_reduce_calls(layers):
             for _ in range(layers):
                 cp_blockdiag_sdpa(q, k, v, enable_gqa=True)
             plans = {id(st.cache.windows[None].kv_plan())}
-            runtime._select_kv_exchange_path(
-                st, st.group, st.doc_ids, shard.local_len, q.device, st.row_offset, query_dtype=q.dtype
+            compat._select_kv_exchange_path(
+                st, st.group, compat.row_doc_ids(st), shard.local_len, q.device, st.row_offset, query_dtype=q.dtype
             )
             plans.add(id(st.cache.windows[None].kv_plan()))
     finally:

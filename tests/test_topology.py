@@ -36,7 +36,8 @@ from nemo_automodel.components.distributed.parallel import (
     record_placement,
 )
 from nemo_automodel.components.training.failure import translate_failure
-from tests.cases import cp_mesh, layout
+from nemo_automodel.testing.cases import cp_mesh, layout
+from nemo_automodel.testing.syncs import count_syncs
 
 TWO_NODES = ("node1", "node2")
 ONE_NODE = ("node1", "node1")
@@ -100,12 +101,12 @@ def _warnings(logger: logging.Logger) -> Iterator[list[str]]:
 
 
 def _spans_nodes(hosts: tuple[str, ...], allow: bool) -> tuple[list[bool], list[str]]:
-    """``_cp_group_spans_nodes`` three times, the later calls on rank 0 alone (a collective would hang them)."""
+    """``_cp_group_spans_nodes`` three times on the gathered hosts, the later calls on rank 0 alone."""
     with mock.patch.dict(os.environ), _world_on(hosts), _warnings(runtime.logger) as warnings:
         reset_log_once()
-        answers = [runtime._cp_group_spans_nodes(None, allow)]
+        answers = [runtime._cp_group_spans_nodes(topology.known_hosts(None), allow)]
         if dist.get_rank() == 0:
-            answers += [runtime._cp_group_spans_nodes(dist.group.WORLD, allow) for _ in range(2)]
+            answers += [runtime._cp_group_spans_nodes(topology.known_hosts(dist.group.WORLD), allow) for _ in range(2)]
     return answers, warnings
 
 
@@ -126,16 +127,26 @@ def test_cp_group_spans_nodes_from_hostnames_gathered_once_reason_logged_once(po
             assert reason in warnings[0] and "rank 0 on node1; rank 1 on node2" in warnings[0]
 
 
-def _fresh_group_is_gathered_at_its_first_call() -> tuple[bool, bool, tuple[str, ...]]:
-    group = dist.new_group([0, 1])
-    before = topology.known_hosts(group) is None
-    spans = runtime._cp_group_spans_nodes(group, False)
-    return before, spans, topology.known_hosts(group).hosts
+def _fresh_group_gathered_when_its_row_is_built() -> tuple[bool, bool, int]:
+    """A fresh CP group: its hosts are unknown, gathered by the row's build, and no attention call gathers."""
+    mesh = cp_mesh()
+    fresh = dist.new_group([0, 1])
+    before = topology.known_hosts(fresh) is None
+    ids = layout("straddle", 2)
+    batch = {"input_ids": torch.zeros(1, ids.shape[1], dtype=torch.long), "_packed_seq_ids": ids}
+    with mock.patch.object(mesh, "get_group", return_value=fresh):
+        ctx, _, shard = make_cp_blockdiag_batch_and_ctx(mesh, None, batch, kv_exchange="allgather")
+    after = topology.known_hosts(fresh) is not None
+    q = torch.randn(1, 2, shard.local_len, 4)
+    with count_syncs() as counts, ctx():
+        cp_blockdiag_sdpa(q, q, q)
+    return before, after, counts.control_collectives
 
 
-def test_a_group_without_recorded_hosts_gathers_them_at_the_first_call(pools):
-    for before, spans, hosts in pools.get(2).run_ok(_fresh_group_is_gathered_at_its_first_call, timeout=60):
-        assert before and not spans and len(set(hosts)) == 1 and len(hosts) == 2
+def test_a_group_s_hosts_are_gathered_when_its_row_is_built_never_in_an_attention_call(pools):
+    for before, after, control in pools.get(2).run_ok(_fresh_group_gathered_when_its_row_is_built, timeout=60):
+        assert before and after
+        assert control == 2  # the row agreement and the settlement of kernel failures: no hidden gather
 
 
 def _path_across_nodes() -> tuple[str, str]:

@@ -83,7 +83,7 @@ def _train_poisoned(payload: dict[str, Any], run_dir: str, module: str, rank: in
 
 def _config(policy: str) -> dict[str, Any]:
     return tiny_config(
-        cp={"size": 2},
+        cp={"size": 2, "check_finite": True},  # off by default: it names the attention call that saw NaN/Inf
         trainer={"max_steps": 5, "grad_accum": GRAD_ACCUM, "on_nonfinite": policy, "export_hf": False},
     )
 
@@ -131,3 +131,14 @@ def test_skip_zeroes_the_step_and_training_continues(pools, tmp_path, module, ra
     assert [r["skipped"] for r in records] == [r["step"] == POISONED_STEP for r in records]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
     assert all(math.isfinite(r["loss"]) for r in records if r["step"] != POISONED_STEP)
+
+
+def test_without_check_finite_the_report_says_how_to_name_the_attention_call():
+    """cp.check_finite is off by default (it costs three reductions per call): a NaN loss still stops the step."""
+    from nemo_automodel.components.training.step import _nonfinite_report
+
+    unchecked = _nonfinite_report(3, [[0.0, 1.0]], math.nan, [], 0, attention_checked=False)
+    checked = _nonfinite_report(3, [[0.0, 1.0]], math.nan, [], 0, attention_checked=True)
+    hint = "set cp.check_finite=true to name the first CP attention call whose q/k/v were not finite"
+    assert unchecked == f"{checked}; {hint}"
+    assert _nonfinite_report(3, [[0.0, 0.0]], 1.0, [], 0, attention_checked=False) is None

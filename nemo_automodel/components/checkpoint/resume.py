@@ -34,13 +34,17 @@ _APPLIED_PREFIX = "optim."
 _RESHARDED = ("cp.size", "dist.dp")
 # The model's attention route does not change its weights; the cache dir does not change the data.
 _NOT_RECORDED = {"model.attention", "data.cache_dir"}
+_HASH_ROWS = 1024
 
 
 def rows_sha256(rows: PackedRows) -> str:
     """SHA-256 of the packed training rows (tokens and document ids): what the row schedule indexes into."""
     digest = hashlib.sha256()
     for tensor in (rows.input_ids, rows.seq_ids):
-        digest.update(tensor.contiguous().numpy().tobytes())
+        # hashed as int64 (the dtype rows were stored in before int32 storage, so older checkpoints still match),
+        # in blocks of rows: no int64 copy of the whole dataset
+        for block in tensor.split(_HASH_ROWS):
+            digest.update(block.long().contiguous().numpy().tobytes())
     return digest.hexdigest()
 
 

@@ -27,16 +27,17 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
 from nemo_automodel.components.config.errors import InputError
 from nemo_automodel.components.config.schema import DataConfig
 from nemo_automodel.components.datasets.packing import PackedData, PackedRows
+from nemo_automodel.components.datasets.progress import progress
 from nemo_automodel.components.datasets.sources import resolve_files
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: the packed fields are int32 (packing.PACKED_DTYPE)
 DATA_FILE = "packed.pt"
 DEFAULT_CACHE_DIR = Path("~/.cache/nemo_automodel/data")
 _FIELDS = ("input_ids", "labels", "position_ids", "seq_ids")
@@ -69,6 +70,28 @@ def _rows_to_dict(rows: PackedRows | None) -> dict[str, torch.Tensor] | None:
     if rows is None:
         return None
     return dict(zip(_FIELDS, (rows.input_ids, rows.labels, rows.position_ids, rows.seq_ids)))
+
+
+class _CountedWrites:
+    """A binary file whose writes advance a progress bar (``torch.save`` streams its archive through ``write``)."""
+
+    def __init__(self, file: BinaryIO, bar: Any) -> None:
+        self._file, self._bar = file, bar
+
+    def write(self, data: bytes) -> int:
+        self._bar.update(len(data))
+        return self._file.write(data)
+
+    def flush(self) -> None:
+        self._file.flush()
+
+
+def _save(data: PackedData, path: Path) -> None:
+    """Write ``data`` to ``path`` with a progress bar (``data: writing the cache``) once it takes a few seconds."""
+    saved = {"train": _rows_to_dict(data.train), "validation": _rows_to_dict(data.validation)}
+    size = sum(t.nbytes for rows in saved.values() if rows is not None for t in rows.values())
+    with path.open("wb") as file, progress(None, "writing the cache", True, size, unit="B") as bar:
+        torch.save({**saved, "summary": data.summary}, _CountedWrites(file, bar))
 
 
 def _rows_from_dict(tensors: dict[str, torch.Tensor] | None) -> PackedRows | None:
@@ -108,8 +131,7 @@ class DataCache:
         tmp.mkdir()
         try:
             data = build(tmp)
-            saved = {"train": _rows_to_dict(data.train), "validation": _rows_to_dict(data.validation)}
-            torch.save({**saved, "summary": data.summary}, tmp / DATA_FILE)
+            _save(data, tmp / DATA_FILE)
             info = {"key": self.key, "summary": data.summary, "rows": len(data.train), "written": time.time()}
             (tmp / "info.json").write_text(json.dumps(info, indent=1) + "\n")
             if self.exists():  # another job wrote the same entry meanwhile: keep theirs

@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from nemo_automodel.components.config.schema import DataConfig
 from nemo_automodel.components.datasets.cache import DataCache
+from nemo_automodel.components.datasets.documents import DocumentTable, DocumentTableBuilder
 from nemo_automodel.components.datasets.formats import (
-    Document,
     FormatStats,
     check_record,
     empty_answers,
@@ -30,21 +31,11 @@ from nemo_automodel.components.datasets.formats import (
     with_eos,
 )
 from nemo_automodel.components.datasets.packing import PackedData, PackedRows, pack_documents
+from nemo_automodel.components.datasets.progress import progress
 from nemo_automodel.components.datasets.sources import RecordLimit, read_records, resolve_files
 from nemo_automodel.components.datasets.synthetic import synthetic_documents
 
 logger = logging.getLogger("nemo_automodel.finetune")
-# A data phase (reading, tokenizing, packing) shows a progress bar on stderr once it has run this long.
-PROGRESS_AFTER_S = 3.0
-
-
-def progress(items: Iterable[Any], what: str, show: bool, total: int | None = None) -> Any:
-    """``items`` with a progress bar ``data: <what>`` that appears after :data:`PROGRESS_AFTER_S` (``show``: rank 0)."""
-    from tqdm import tqdm
-
-    return tqdm(
-        items, desc=f"data: {what}", total=total, delay=PROGRESS_AFTER_S, mininterval=1.0, leave=False, disable=not show
-    )
 
 
 def eos_for(cfg: DataConfig, tokenizer: Any) -> int | None:
@@ -61,10 +52,12 @@ def eos_for(cfg: DataConfig, tokenizer: Any) -> int | None:
 
 def to_documents(
     cfg: DataConfig, records: Iterable[tuple[str, dict[str, Any] | None]], tokenizer: Any, show: bool = False
-) -> tuple[list[Document], FormatStats]:
+) -> tuple[DocumentTable, FormatStats]:
     """Checked records as documents with EOS; chat/instruction rows fitted to ``seq_len`` per the policy.
 
-    A ``None`` record is one over ``data.max_record_bytes`` that was dropped unread (counted).
+    ``records`` are consumed as they come (read lazily: no record outlives its conversion), and each document
+    goes straight into a :class:`DocumentTable` (flat arrays, a few bytes a token). A ``None`` record is one over
+    ``data.max_record_bytes`` that was dropped unread (counted).
 
     Raises:
         ValueError: naming the row, for a record the format or the length policy rejects.
@@ -72,10 +65,10 @@ def to_documents(
     eos = eos_for(cfg, tokenizer)
     if cfg.source == "chat" and not tokenizer.chat_template:
         tokenizer.render_chat([], add_generation_prompt=False)  # raises the no-template error, before any row
-    docs: list[Document] = []
+    docs = DocumentTableBuilder()
     stats = FormatStats()
     total = len(records) if isinstance(records, list) else None
-    for where, record in progress(records, "rendering and tokenizing", show, total):
+    for where, record in progress(records, "reading, rendering and tokenizing", show, total):
         stats.records += 1
         if record is None:
             stats.too_large += 1
@@ -117,7 +110,7 @@ def to_documents(
             stats.empty_answers,
             ", ".join(stats.empty_answer_rows[:3]),
         )
-    return docs, stats
+    return docs.build(), stats
 
 
 def _count_empty_answers(cfg: DataConfig, messages: list[dict[str, Any]], where: str, stats: FormatStats) -> None:
@@ -141,26 +134,27 @@ def _records(cfg: DataConfig, path: str, split: str | None, field: str, scratch:
     return read_records(files, scratch, lambda record: check_record(cfg, record), limit, field)
 
 
-def _hold_out(docs: list[Document], fraction: float, seed: int) -> tuple[list[Document], list[Document]]:
-    """``(train, validation)``: a seeded ``fraction`` of the documents held out (at least one each)."""
+def _hold_out(docs: DocumentTable, fraction: float, seed: int) -> tuple[DocumentTable, DocumentTable]:
+    """``(train, validation)``: a seeded ``fraction`` of the documents held out (at least one each), in order."""
     count = max(1, round(fraction * len(docs)))
     if count >= len(docs):
         raise ValueError(
             f"data.validation={fraction} holds out {count} of {len(docs)} documents, leaving none to train on; "
             "lower the fraction or pass a validation file"
         )
-    held = set(torch.randperm(len(docs), generator=torch.Generator().manual_seed(seed))[:count].tolist())
-    return [d for i, d in enumerate(docs) if i not in held], [d for i, d in enumerate(docs) if i in held]
+    held = np.zeros(len(docs), np.bool_)
+    held[torch.randperm(len(docs), generator=torch.Generator().manual_seed(seed))[:count].numpy()] = True
+    return docs.subset(~held), docs.subset(held)
 
 
-def _require_documents(cfg: DataConfig, docs: list[Document], stats: FormatStats, what: str) -> None:
+def _require_documents(cfg: DataConfig, docs: DocumentTable, stats: FormatStats, what: str) -> None:
     """Say why nothing is left (e.g. every record too long) before anything else is done with no documents."""
-    if not docs:
+    if not len(docs):
         raise ValueError(f"{what}: no documents left ({stats.summary(cfg)}); raise data.seq_len or check the data")
 
 
 def _pack(
-    cfg: DataConfig, docs: list[Document], stats: FormatStats, tokenizer: Any, what: str, show: bool
+    cfg: DataConfig, docs: DocumentTable, stats: FormatStats, tokenizer: Any, what: str, show: bool
 ) -> PackedRows:
     _require_documents(cfg, docs, stats, what)
     rows = pack_documents(
@@ -184,18 +178,18 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, scratch: Path | None = None, s
         cfg: The data section.
         tokenizer: A :class:`~nemo_automodel.components.datasets.tokenizer.TextTokenizer`.
         scratch: Scratch space for ``datasets``' Arrow copies (``None``: a temporary directory).
-        show: Progress bars for phases longer than :data:`PROGRESS_AFTER_S` (rank 0 only in a job).
+        show: Progress bars for phases longer than :data:`~.progress.PROGRESS_AFTER_S` (rank 0 only in a job).
 
     Raises:
         ValueError: naming the field, file and row of bad data.
     """
     with tempfile.TemporaryDirectory(dir=scratch) as tmp:
-        records = list(progress(_records(cfg, cfg.path or "", cfg.split, "data.path", Path(tmp)), "reading", show))
-        if not records:
-            raise ValueError(f"data.path={cfg.path}: no documents found (expected one JSON object per line / row)")
+        records = _records(cfg, cfg.path or "", cfg.split, "data.path", Path(tmp))
         docs, stats = to_documents(cfg, records, tokenizer, show)
+        if not stats.records:
+            raise ValueError(f"data.path={cfg.path}: no documents found (expected one JSON object per line / row)")
         _require_documents(cfg, docs, stats, "data")  # not "holds out 1 of 0 documents" when all were dropped
-        held: list[Document] | None = None
+        held: DocumentTable | None = None
         held_stats = stats
         fraction = cfg.validation_fraction
         if fraction is not None:

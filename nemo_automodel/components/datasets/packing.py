@@ -29,14 +29,21 @@ from typing import Any
 import numpy as np
 import torch
 
+from nemo_automodel.components.datasets.documents import DocumentTable
 from nemo_automodel.components.datasets.formats import Document
 
 IGNORE_INDEX = -100
+# The packed fields are stored as int32 (half of int64: 16 bytes a token slot for the four fields, in memory and in the
+# cache); :meth:`PackedRows.row` hands out int64, what embeddings and the loss take.
+PACKED_DTYPE = torch.int32
+# Rows filled per vectorized block (their int64 index arrays: ~40 bytes a token, ~80 MB at 2048 tokens a row).
+FILL_ROWS = 1024
 
 
 @dataclass(frozen=True)
 class PackedRows:
-    """A packed dataset: ``N`` rows of ``S`` tokens (fields as in the module docstring)."""
+    """A packed dataset: ``N`` rows of ``S`` tokens (fields as in the module docstring, stored as
+    :data:`PACKED_DTYPE`)."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
@@ -47,12 +54,12 @@ class PackedRows:
         return self.input_ids.shape[0]
 
     def row(self, index: int) -> dict[str, torch.Tensor]:
-        """Row ``index`` as the batch dict the CP batch builder takes (each field ``[1, S]``)."""
+        """Row ``index`` as the batch dict the CP batch builder takes (each field ``[1, S]``, int64)."""
         return {
-            "input_ids": self.input_ids[index : index + 1],
-            "labels": self.labels[index : index + 1],
-            "position_ids": self.position_ids[index : index + 1],
-            "_packed_seq_ids": self.seq_ids[index : index + 1],
+            "input_ids": self.input_ids[index : index + 1].long(),
+            "labels": self.labels[index : index + 1].long(),
+            "position_ids": self.position_ids[index : index + 1].long(),
+            "_packed_seq_ids": self.seq_ids[index : index + 1].long(),
         }
 
 
@@ -65,23 +72,26 @@ class PackedData:
     summary: str
 
 
-def _chunk(doc: Document, start: int, end: int) -> Document:
-    return Document(doc.ids[start:end], None if doc.targets is None else doc.targets[start:end])
+def fit_to_row(documents: DocumentTable, seq_len: int, long_documents: str) -> DocumentTable:
+    """Drop empty documents; ``split`` longer ones into ``seq_len`` chunks (each its own document) or ``truncate``.
 
-
-def fit_to_row(documents: Sequence[Document], seq_len: int, long_documents: str) -> list[Document]:
-    """Drop empty documents; ``split`` longer ones into ``seq_len`` chunks (each its own document) or ``truncate``."""
-    fitted: list[Document] = []
-    for doc in documents:
-        if len(doc.ids) <= seq_len:  # most documents: kept as they are (no copy)
-            fitted.extend([doc] if doc.ids else [])
-            continue
-        if long_documents == "truncate":
-            chunks = [_chunk(doc, 0, seq_len)]
-        else:
-            chunks = [_chunk(doc, i, i + seq_len) for i in range(0, len(doc.ids), seq_len)]
-        fitted.extend(c for c in chunks if c.ids)
-    return fitted
+    Splitting only adds offsets (the chunks are contiguous); truncating drops the tokens past ``seq_len``.
+    """
+    lengths = documents.lengths
+    if long_documents == "truncate" and bool((lengths > seq_len).any()):
+        within = np.arange(len(documents.ids)) - np.repeat(documents.offsets[:-1], lengths) < seq_len
+        kept = np.minimum(lengths, seq_len)
+        offsets = np.concatenate([[0], np.cumsum(kept)]).astype(np.int64)
+        documents = DocumentTable(documents.ids[within], documents.targets[within], offsets)
+        lengths = kept
+    if long_documents == "split" and bool((lengths > seq_len).any()):
+        chunks = -(-lengths // seq_len)  # [D], 0 for an empty document
+        first_chunk = np.cumsum(chunks) - chunks
+        step = np.arange(int(chunks.sum())) - np.repeat(first_chunk, chunks)
+        starts = np.repeat(documents.offsets[:-1], chunks) + step * seq_len
+        offsets = np.append(starts, len(documents.ids)).astype(np.int64)
+        return DocumentTable(documents.ids, documents.targets, offsets)
+    return documents if bool((lengths > 0).all()) else documents.subset(lengths > 0)
 
 
 @contextmanager
@@ -158,7 +168,7 @@ def assign_to_rows(
 
 
 def pack_documents(
-    documents: Sequence[Document | list[int]],
+    documents: DocumentTable | Sequence[Document | list[int]],
     seq_len: int,
     algorithm: str,
     pad_id: int,
@@ -173,55 +183,61 @@ def pack_documents(
     Raises:
         ValueError: when no document has a token.
     """
-    docs = fit_to_row([d if isinstance(d, Document) else Document(list(d)) for d in documents], seq_len, long_documents)
-    if not docs:
+    table = documents if isinstance(documents, DocumentTable) else DocumentTable.from_documents(documents)
+    docs = fit_to_row(table, seq_len, long_documents)
+    if not len(docs):
         raise ValueError("data: every document is empty after tokenization; nothing to train on")
-    rows = assign_to_rows([len(d.ids) for d in docs], seq_len, algorithm, seed, progress)
+    rows = assign_to_rows(docs.lengths.tolist(), seq_len, algorithm, seed, progress)
     return fill_rows(docs, rows, seq_len, pad_id)
 
 
-def fill_rows(docs: Sequence[Document], rows: list[list[int]], seq_len: int, pad_id: int) -> PackedRows:
+def fill_rows(docs: DocumentTable, rows: list[list[int]], seq_len: int, pad_id: int) -> PackedRows:
     """The ``[N, seq_len]`` fields for ``rows`` (document indices per row, each row's documents fitting ``seq_len``).
 
-    Vectorized over every token at once: the tokens of all documents in row order are one flat ``[T]`` tensor,
-    scattered to ``row * seq_len + offset`` (``benchmarks/packing.py --fill`` compares it with the per-document loop
-    it replaced; what remains is mostly reading the documents' Python token lists).
+    Vectorized over the tokens of :data:`FILL_ROWS` rows at a time (``benchmarks/packing.py --fill`` compares it
+    with the per-document loop it replaced); the blocks bound the ``int64`` index arrays to a few MB each, so the
+    only memory that grows with the corpus is the output (``int32``: 16 bytes a token slot).
     """
-    order = [index for members in rows for index in members]
-    lengths = np.array([len(docs[i].ids) for i in order], np.int64)  # [D], documents in row order
+    shape = (len(rows), seq_len)
+    fields = PackedRows(
+        torch.full(shape, pad_id, dtype=PACKED_DTYPE),
+        torch.full(shape, IGNORE_INDEX, dtype=PACKED_DTYPE),
+        torch.zeros(shape, dtype=PACKED_DTYPE),
+        torch.zeros(shape, dtype=PACKED_DTYPE),
+    )
+    for first in range(0, len(rows), FILL_ROWS):
+        _fill_block(docs, rows[first : first + FILL_ROWS], seq_len, fields, first)
+    return fields
+
+
+def _fill_block(docs: DocumentTable, rows: list[list[int]], seq_len: int, out: PackedRows, first_row: int) -> None:
+    """Write ``rows`` (rows ``first_row, ...`` of ``out``) in one scatter per field."""
+    order = np.fromiter(chain.from_iterable(rows), np.int64)  # [D], documents in row order
+    lengths = docs.lengths[order]
     row_of_doc = np.repeat(np.arange(len(rows)), [len(members) for members in rows])
-    doc_number = np.array([n for members in rows for n in range(1, len(members) + 1)], np.int64)
+    doc_number = np.fromiter(chain.from_iterable(range(1, len(m) + 1) for m in rows), np.int64, len(order))
     ends = np.cumsum(lengths)
     first = ends - lengths  # [D], each document's first token in the flat order
     start_in_row = first - first[doc_number == 1][row_of_doc]  # minus its row's first document's
     total = int(ends[-1]) if len(order) else 0
-    ids = torch.from_numpy(np.fromiter(chain.from_iterable(docs[i].ids for i in order), np.int64, total))
-    every = [True] * max(lengths, default=0)  # the targets of a document without targets: all of them
-    targets = np.fromiter(
-        chain.from_iterable(every[: len(docs[i].ids)] if docs[i].targets is None else docs[i].targets for i in order),
-        np.bool_,
-        total,
-    )
     flat = np.arange(total)
-    position = torch.from_numpy(flat - np.repeat(first, lengths))  # [T], offset within its document
-    destination = torch.from_numpy(flat + np.repeat(row_of_doc * seq_len + start_in_row - first, lengths))
+    within = flat - np.repeat(first, lengths)  # [T], offset within its document
+    source = np.repeat(docs.offsets[:-1][order], lengths) + within
+    ids = torch.from_numpy(docs.ids[source].astype(np.int32))
     # labels[t] = ids[t + 1] when token t + 1 is a target of the same document (a last token's successor is
     # another document, or padding)
-    keep = np.append(targets[1:], False)
+    keep = np.append(docs.targets[source][1:], False)
     keep[ends - 1] = False
     successors = torch.where(
         torch.from_numpy(keep), torch.cat([ids[1:], ids.new_full((1,), IGNORE_INDEX)]), IGNORE_INDEX
     )
-    shape = (len(rows), seq_len)
-    input_ids = torch.full(shape, pad_id, dtype=torch.long)
-    labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
-    position_ids = torch.zeros(shape, dtype=torch.long)
-    seq_ids = torch.zeros(shape, dtype=torch.long)
+    destination = torch.from_numpy(
+        (first_row + np.repeat(row_of_doc, lengths)) * seq_len + np.repeat(start_in_row, lengths) + within
+    )
     for field, values in (
-        (input_ids, ids),
-        (labels, successors),
-        (position_ids, position),
-        (seq_ids, torch.from_numpy(np.repeat(doc_number, lengths))),
+        (out.input_ids, ids),
+        (out.labels, successors),
+        (out.position_ids, torch.from_numpy(within)),
+        (out.seq_ids, torch.from_numpy(np.repeat(doc_number, lengths))),
     ):
-        field.view(-1)[destination] = values
-    return PackedRows(input_ids, labels, position_ids, seq_ids)
+        field.view(-1)[destination] = values.to(PACKED_DTYPE)

@@ -15,7 +15,7 @@ from nemo_automodel.components.models.attention_features import check_attention_
 from nemo_automodel.components.models.cp_attention import (
     attention_scope,
     attn_implementation_for,
-    register_cp_attention,
+    prepare_attention,
 )
 from nemo_automodel.components.models.packing_guard import check_packable_config
 from nemo_automodel.components.models.packing_probe import verify_packing_isolation
@@ -121,7 +121,7 @@ def build_causal_lm(
     Raises:
         PackingUnsupportedError: for a model packed training cannot compute exactly (:func:`check_model_packable`).
     """
-    register_cp_attention()
+    prepare_attention(cfg.attention)
     attn = attn_implementation_for(cfg.attention)
     if cfg.pretrained_path is not None:
         # before loading: transformers itself may refuse the route's implementation with a less useful message

@@ -8,7 +8,8 @@ Two routes, chosen by ``model.attention``:
   it has no mask function for, so no ``[L, L]`` mask is ever materialized.
 - ``patch_sdpa``: the model keeps its stock ``"sdpa"`` attention and
   :func:`attention_scope` routes ``F.scaled_dot_product_attention`` through CP
-  for the duration of a step (forward and backward).
+  for the duration of a step (forward and backward); :func:`prepare_attention`
+  sets what transformers' ``sdpa`` path needs once, at setup.
 
 Outside a CP step context both are exactly stock causal SDPA; ``hf_interface`` calls with a
 sliding window, soft-cap or sinks are then computed exactly by :func:`explicit_attention`.
@@ -21,18 +22,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from nemo_automodel.components.distributed.blockdiag_cp import (
-    cp_blockdiag_sdpa,
-    current_blockdiag_cp_state,
-    kernels,
-    patch_sdpa,
-)
-from nemo_automodel.components.distributed.blockdiag_cp.variant import AttentionVariant
+from nemo_automodel.components.distributed.blockdiag_cp import kernels, outside, patch_sdpa
+from nemo_automodel.components.distributed.blockdiag_cp.runtime import attend_row
+from nemo_automodel.components.distributed.blockdiag_cp.state import current_step_state
+from nemo_automodel.components.distributed.blockdiag_cp.variant import PLAIN, AttentionVariant
 
 CP_ATTN_IMPLEMENTATION = "cp_blockdiag"
 _FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"  # read by transformers' sdpa_attention_forward at every call
@@ -185,7 +182,11 @@ def cp_blockdiag_attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers ``AttentionInterface`` function backed by :func:`cp_blockdiag_sdpa`.
+    """transformers ``AttentionInterface`` function: an adapter over the core (``runtime.attend_row``).
+
+    The active row is read once per call from the thread-shared slot and passed to the core
+    with the call's variant; outside a row the call is computed exactly here (stock SDPA, or
+    :func:`explicit_attention` for what stock SDPA cannot express).
 
     Every keyword transformers passes is either part of the attention variant
     (``sliding_window``, ``softcap``, ``s_aux``), used (``dropout``, ``scaling``), or
@@ -205,28 +206,24 @@ def cp_blockdiag_attention(
         ``(attn_output [B, L, Hq, Dv], None)``: no attention weights.
     """
     variant = attention_variant(module, kwargs)
-    if current_blockdiag_cp_state() is None and variant.chunk is not None and query.shape[2] != key.shape[2]:
+    row = current_step_state()
+    if row is not None:
+        gqa = query.shape[1] != key.shape[1]
+        out = attend_row(row, query, key, value, variant=variant, dropout_p=dropout, scale=scaling, enable_gqa=gqa)
+        return out.transpose(1, 2).contiguous(), None
+    if variant.chunk is not None and query.shape[2] != key.shape[2]:
         raise ValueError(
             f"cp_blockdiag attention ({variant.source}): attention_chunk_size={variant.chunk} over "
             f"{key.shape[2] - query.shape[2]} cached keys: where the chunks start depends on the tokens' absolute "
             "positions, which transformers passes neither to attention nor with its (possibly truncated) chunk "
             "cache; generate with attn_implementation='eager' or 'sdpa' (cp_blockdiag computes full rows exactly)"
         )
-    if current_blockdiag_cp_state() is None and _needs_explicit(query, key, attention_mask, variant):
+    if _needs_explicit(query, key, attention_mask, variant):
         out = explicit_attention(query, key, value, attention_mask, dropout, scaling, variant)
-        return out.transpose(1, 2).contiguous(), None
-    out = cp_blockdiag_sdpa(
-        query,
-        key,
-        value,
-        attn_mask=attention_mask,
-        dropout_p=dropout,
-        # Only used outside a CP step (stock SDPA): causal unless a mask says otherwise.
-        is_causal=attention_mask is None and query.shape[2] > 1,
-        scale=scaling,
-        enable_gqa=query.shape[1] != key.shape[1],
-        variant=variant,
-    )
+    else:  # a plain call stock SDPA computes exactly: causal unless a mask says otherwise
+        is_causal = attention_mask is None and query.shape[2] > 1
+        call = (query, key, value, attention_mask, dropout, is_causal, scaling, query.shape[1] != key.shape[1])
+        out = outside.stock_sdpa("cp_blockdiag attention outside a CP step", "", *call, PLAIN, {})
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -242,31 +239,21 @@ def attn_implementation_for(route: str) -> str:
     return {"hf_interface": CP_ATTN_IMPLEMENTATION, "patch_sdpa": "sdpa", "eager": "eager"}[route]
 
 
-@contextlib.contextmanager
-def _hf_sdpa_keeps_kv_heads() -> Iterator[None]:
-    """Make transformers' ``sdpa`` path pass grouped K/V heads as they are (``enable_gqa``).
+def prepare_attention(route: str) -> None:
+    """Once per process, before a model of ``route`` is built: what the route needs from transformers.
 
-    Without it, transformers repeats K/V heads only when it built a mask, and it
-    builds one only when the local shard holds several documents: CP ranks would
-    then exchange K/V with different head counts and the collective would fail.
+    Registers ``"cp_blockdiag"`` (every route: the packing probe and evaluation may use it). For
+    ``patch_sdpa``, sets ``TRANSFORMERS_SDPA_FORCE_GQA=1``: transformers' ``sdpa`` path then passes
+    grouped K/V heads as they are (``enable_gqa``). Without it, transformers repeats K/V heads only
+    when it built a mask, and it builds one only when the local shard holds several documents: CP
+    ranks would exchange K/V with different head counts and the collective would fail. Set here, once,
+    so no step writes the environment (the value changes no result: grouped heads attend the same keys).
     """
-    previous = os.environ.get(_FORCE_GQA)
-    os.environ[_FORCE_GQA] = "1"
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(_FORCE_GQA, None)
-        else:
-            os.environ[_FORCE_GQA] = previous
-
-
-@contextlib.contextmanager
-def _patched_sdpa_scope() -> Iterator[None]:
-    with _hf_sdpa_keeps_kv_heads(), patch_sdpa():
-        yield
+    register_cp_attention()
+    if route == "patch_sdpa":
+        os.environ[_FORCE_GQA] = "1"
 
 
 def attention_scope(route: str) -> contextlib.AbstractContextManager[None]:
-    """The context to hold around a step's forward and backward for ``route``."""
-    return _patched_sdpa_scope() if route == "patch_sdpa" else contextlib.nullcontext()
+    """The context to hold around a step's forward and backward for ``route`` (after :func:`prepare_attention`)."""
+    return patch_sdpa() if route == "patch_sdpa" else contextlib.nullcontext()

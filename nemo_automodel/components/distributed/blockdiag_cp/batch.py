@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from nemo_automodel.components.distributed.blockdiag_cp import consensus, cost, topology
+from nemo_automodel.components.distributed.blockdiag_cp import consensus, cost, gpu_libraries, topology
 from nemo_automodel.components.distributed.blockdiag_cp import state as state_module
 from nemo_automodel.components.distributed.blockdiag_cp.layout import (
     DocRuns,
@@ -206,6 +206,7 @@ def make_cp_blockdiag_batch_and_ctx(
     padding_token_id: int = 0,
     shard_primary: bool = True,
     options: state_module.CPOptions | None = None,
+    agreement: state_module.StepAgreement | None = None,
     attn_backend: str | None = None,
     kv_exchange: str | None = None,
     layout: str | None = None,
@@ -231,6 +232,9 @@ def make_cp_blockdiag_batch_and_ctx(
             rank's, ``padded_seq_len`` how far to pad); every other sequence-aligned field is sharded.
         options: The step's knobs (:class:`~.state.CPOptions`; ``None``: the process default
             of ``configure_cp_varlen`` with the knob arguments below applied).
+        agreement: The optimizer step's :class:`~.state.StepAgreement`: pass one to every row of a
+            step (``grad_accum`` rows) and all of them are agreed on by one collective, at the first
+            CP call of the step (``None``: this row is agreed on alone, at its own first call).
         attn_backend: Kernel for this step (``None``: from ``options`` / the default).
         kv_exchange: Exchange for this step.
         layout: ``contiguous``, ``balanced`` or ``auto``. The balanced layout reorders whole
@@ -293,9 +297,10 @@ def make_cp_blockdiag_batch_and_ctx(
         out[name] = _pad_and_shard(
             name, tensor, pad_len, fills.get(name, 0), row_offset, local_len, None if plan.is_identity else positions
         )
-    step_state = _build_step_state(group, rank, doc_ids, plan, device, step_options)
-    if world > 1:  # the group's hosts, once per group and here (every rank builds its row), never in an attention call
-        topology.group_hosts(group)
+    step_state = _build_step_state(group, rank, plan, device, step_options)
+    if agreement is not None:
+        step_state.agreement = agreement
+    step_state.agreement.add(step_state)
 
     @contextlib.contextmanager
     def train_ctx(settle: bool = True) -> Iterator[StepState]:
@@ -319,21 +324,20 @@ def _shard_plan(runs: DocRuns, cp: int, options: state_module.CPOptions, device:
 def _build_step_state(
     group: dist.ProcessGroup | None,
     rank: int,
-    doc_ids: torch.Tensor,
     plan: ShardPlan,
     device: torch.device,
     options: state_module.CPOptions,
 ) -> StepState:
-    """Precompute everything the attention layers of this step share (no per-layer host syncs)."""
-    doc_ids_full = torch.nn.functional.pad(doc_ids, (0, plan.runs.total_len - doc_ids.shape[1]))
-    if not plan.is_identity:
-        doc_ids_full = doc_ids_full.index_select(1, plan.permutation.to(device))
+    """Precompute everything the attention layers of this row share: no call gathers, probes or syncs.
+
+    The group's hosts (one collective the first time a group is seen, :mod:`.topology`) and the GPU
+    libraries (imported and probed once per process) are looked up here, when every rank builds its row.
+    """
     cu_cpu = torch.tensor(plan.physical_cu_seqlens(), dtype=torch.int32)
     return StepState(
         group=group,
         cp_rank=rank,
         cp_size=plan.cp,
-        doc_ids=doc_ids_full,
         row_offset=rank * plan.local_len,
         local_len=plan.local_len,
         shard_plan=plan,
@@ -341,6 +345,8 @@ def _build_step_state(
         packed_cu_seqlens_cpu=cu_cpu,
         positions=plan.permutation[rank * plan.local_len : (rank + 1) * plan.local_len].to(device),
         options=options,
+        hosts=topology.group_hosts(group) if plan.cp > 1 else None,
+        libraries=gpu_libraries.probe_gpu_libraries(device),
         # The full-attention plan now, so inconsistent metadata fails at batch build; windowed ones at first use.
         cache=state_module.StepCache(windows={None: build_window_plan(plan, rank, None, device)}),
     )

@@ -6,11 +6,76 @@ the seed API (and its tests) may; each function delegates to the typed core.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
-from nemo_automodel.components.distributed.blockdiag_cp import consensus, kernels, options
+from nemo_automodel.components.distributed.blockdiag_cp import consensus, kernels, options, runtime
+from nemo_automodel.components.distributed.blockdiag_cp import state as state_module
+from nemo_automodel.components.distributed.blockdiag_cp.exchange import KVPlan
 from nemo_automodel.components.distributed.blockdiag_cp.state import StepState
+from nemo_automodel.components.distributed.blockdiag_cp.variant import plan_key
+
+
+def row_doc_ids(state: StepState) -> torch.Tensor:
+    """The row's replicated document ids ``[1, S_full]`` in physical order (0 == pad), on the row's device.
+
+    The seed kept them in its step state; the typed core plans from the shard plan and never builds them.
+    """
+    plan = state.shard_plan
+    ids = torch.zeros(plan.runs.total_len, dtype=torch.long)
+    for start, end, doc in zip(plan.runs.starts, plan.runs.ends, plan.runs.ids, strict=True):
+        ids[start:end] = doc
+    if not plan.is_identity:
+        ids = ids.index_select(0, plan.permutation)
+    return ids[None].to(state.positions.device)
+
+
+def _resolve_cp_varlen_config(state: StepState | Mapping[str, Any]) -> tuple[str, str]:
+    """``(attn_backend, kv_exchange)`` of a row: its options, or (upstream's dict state) the keys it sets.
+
+    A mapping falls back to the process default of ``configure_cp_varlen`` for a missing or ``None`` knob.
+    """
+    if isinstance(state, StepState):
+        return state.options.attn_backend, state.options.kv_exchange
+    default = state_module.default_options()
+    backend, kv_exchange = state.get("attn_backend"), state.get("kv_exchange")
+    return (
+        default.attn_backend if backend is None else options.normalize_attn_backend(backend),
+        default.kv_exchange if kv_exchange is None else options.normalize_kv_exchange(kv_exchange),
+    )
+
+
+def _select_kv_exchange_path(
+    state: StepState,
+    group: dist.ProcessGroup | None,
+    doc_ids: torch.Tensor,
+    local_len: int,
+    device: torch.device,
+    offset: int,
+    query_dtype: torch.dtype | None = None,
+    dropout_p: float = 0.0,
+    window: int | None = None,
+    chunk: int | None = None,
+) -> tuple[str, KVPlan | None, str]:
+    """The seed's path decision: the row's K/V path for a window or chunk, and why (no communication).
+
+    ``group``, ``doc_ids``, ``query_dtype`` and ``dropout_p`` are the seed's parameters: the
+    path comes from the row's group and shard plan (built from the same ids), and whether the
+    kernel can run is part of the row agreement. ``local_len`` and ``offset`` must be the row's.
+
+    Returns:
+        ``(path, plan, reason)`` as the core's decision (``plan``: the needed-only
+        :class:`KVPlan`, ``None`` for all-gather).
+    """
+    del group, doc_ids, query_dtype, dropout_p
+    if offset != state.row_offset:
+        raise ValueError(f"offset={offset} disagrees with the step state's row_offset={state.row_offset}")
+    if local_len != state.local_len:
+        raise ValueError(f"local_len={local_len} disagrees with the step state's local_len={state.local_len}")
+    return runtime._exchange_path(state, device, plan_key(window, chunk))
 
 
 def _needed_only_preflight(

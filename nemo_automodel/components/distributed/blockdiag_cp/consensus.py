@@ -8,6 +8,10 @@ Over the CP group:
   shapes with every other rank's (one all-reduce of fingerprints) and all raise the
   same error on a disagreement, before any path-dependent collective; later calls of
   the row are not re-checked;
+- the failure protocol a caller with its own step all-reduce folds into it (as the recipe does):
+  :func:`failure_row` (this rank's row of numbers to all-reduce), :func:`failure_message`
+  (the error every rank raises from everyone's rows) and :func:`failure_diagnostics` (this
+  rank's own lines);
 - :class:`GuardedKernel` (no collective): runs a kernel so that an exception, forward or
   backward, is recorded in the row's :class:`~.state.FailureLog` instead of unwinding one
   rank alone; the rank continues with zeros, and :func:`settle_step` (once per step, or
@@ -138,7 +142,7 @@ def failure_message(rows: Sequence[Sequence[int]], rank_name: Callable[[int], st
     )
 
 
-def diagnostics(logs: Sequence[FailureLog]) -> list[str]:
+def failure_diagnostics(logs: Sequence[FailureLog]) -> list[str]:
     """This rank's recorded failures, one line each."""
     return [
         f"{direction} of CP attention call {call}: {text}"
@@ -154,7 +158,7 @@ def settle_step(logs: Sequence[FailureLog], group: dist.ProcessGroup | None, dev
     One all-reduce of every rank's :data:`FailureRow` (after backward, so
     backward failures are included). Ranks are named by CP rank.
     """
-    mine = diagnostics(logs)
+    mine = failure_diagnostics(logs)
     for line in mine:
         logger.error("CP attention failed on this rank: %s", line)
     rows = _gather_rows(list(failure_row(logs)), group, device)
@@ -186,7 +190,8 @@ class GuardedKernel(torch.autograd.Function):
     On failure the output (or the input gradients) are zeros of the right shape,
     so this rank keeps issuing the same collectives as its peers until the
     step's settlement makes every rank raise. The kernel's own autograd graph
-    is built inside the forward and differentiated in the backward.
+    is built inside the forward and differentiated in the backward. A kernel may
+    return its output as row pieces (a tuple, see :func:`_call`): they are returned as they are.
     """
 
     @staticmethod
@@ -199,23 +204,24 @@ class GuardedKernel(torch.autograd.Function):
         k: torch.Tensor,
         v: torch.Tensor,
         *extra: torch.Tensor,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         ctx.recorder, ctx.describe = recorder, describe
         inputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in (q, k, v, *extra))
         with torch.enable_grad():
             out = _call(fn, recorder, describe, *inputs)
         ctx.inputs, ctx.out = inputs, out
-        return out.detach()
+        return tuple(p.detach() for p in out) if isinstance(out, tuple) else out.detach()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, *grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         inputs, out = ctx.inputs, ctx.out
         ctx.inputs = ctx.out = None  # free the kernel's graph as soon as it is used
+        outs = out if isinstance(out, tuple) else (out,)
         wanted = [t for t in inputs if t.requires_grad]
         grads: list[torch.Tensor | None] = [None] * len(inputs)
         try:
-            if out.requires_grad and wanted:
-                found = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True))
+            if any(p.requires_grad for p in outs) and wanted:
+                found = iter(torch.autograd.grad(outs, wanted, grad, allow_unused=True))
                 grads = [next(found) if t.requires_grad else None for t in inputs]
         except Exception as exc:  # same contract as the forward
             ctx.recorder.fail("backward", f"{type(exc).__name__}: {exc} [{ctx.describe}]")
@@ -232,10 +238,12 @@ def _call(
     k: torch.Tensor,
     v: torch.Tensor,
     *extra: torch.Tensor,
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """``fn(q, k, v, *extra)``; an exception or a missing/misshaped output is recorded and replaced by zeros.
 
-    The expected output is ``[B, Hq, L, Dv]``: the query's shape with the value head dim.
+    The expected output is the query's shape with the value head dim (``[B, Hq, L, Dv]``, or
+    ``[n, Hq, Dv]`` for token-major kernels), or a tuple of row pieces (token-major kernels,
+    one per library call) that together have that shape; zeros replace it in the same form.
     """
     shape = (*q.shape[:-1], v.shape[-1])
     try:
@@ -244,12 +252,27 @@ def _call(
         raise
     except Exception as exc:  # settle first; every rank raises together
         recorder.fail("forward", f"{type(exc).__name__}: {exc} [{describe}]")
-        return q.new_zeros(shape)
-    if not isinstance(out, torch.Tensor) or out.shape != shape:
+        return _zeros_like_output(q, shape, out=None)
+    if not _has_shape(out, shape):
         got = "no output" if out is None else f"output {type(out).__name__} {getattr(out, 'shape', '')}"
         recorder.fail("forward", f"kernel returned {got}, expected a tensor {shape} [{describe}]")
-        return q.new_zeros(shape)
+        return _zeros_like_output(q, shape, out)
     return out
+
+
+def _has_shape(out: object, shape: tuple[int, ...]) -> bool:
+    """``out`` is a tensor of ``shape``, or row pieces (a non-empty tuple of tensors) that stack to it."""
+    if isinstance(out, torch.Tensor):
+        return out.shape == shape
+    if not isinstance(out, tuple) or not out or not all(isinstance(p, torch.Tensor) for p in out):
+        return False
+    return all(p.shape[1:] == shape[1:] for p in out) and sum(p.shape[0] for p in out) == shape[0]
+
+
+def _zeros_like_output(q: torch.Tensor, shape: tuple[int, ...], out: object) -> torch.Tensor | tuple[torch.Tensor]:
+    """Zeros in the form the kernel's contract has: a tensor, or one piece for a kernel that returns pieces."""
+    zeros = q.new_zeros(shape)
+    return (zeros,) if isinstance(out, tuple) or q.dim() == 3 else zeros
 
 
 def guarded(
@@ -260,7 +283,7 @@ def guarded(
     k: torch.Tensor,
     v: torch.Tensor,
     *extra: torch.Tensor,
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """``fn(q, k, v, *extra)`` with failures (an exception, or no output) recorded by ``recorder``.
 
     The backward is guarded too (see :class:`GuardedKernel`) unless autograd is

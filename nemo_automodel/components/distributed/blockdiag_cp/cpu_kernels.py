@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -176,37 +177,111 @@ _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 _CPU_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 
-class _PrefixThenCausal(torch.autograd.Function):
-    """Bottom-right causal attention of ``q [1, Hq, Q, D]`` over ``k/v [1, Hkv, P + Q, D]`` without a mask (CPU).
+class _LseKernel(Protocol):
+    """Attention that exposes its log-sum-exp, with a backward that takes the output and log-sum-exp it is given.
 
-    Split the keys: every row sees all ``P`` prefix keys (one unmasked flash
-    call) and the last ``Q`` keys causally (one ``is_causal`` call on a square);
-    the two partial softmaxes merge through their log-sum-exps. Backward calls
-    the flash backward per key block with the *merged* output and log-sum-exp,
-    which gives each block its exact gradient (the ring-attention identity).
-    Masks would cost memory (SDPA saves them) and, on CPU, most of the time.
+    Shapes: ``q [N, Hq, Q, D]``, ``k [N, Hkv, K, D]``, ``v [N, Hkv, K, Dv]``, ``out [N, Hq, Q, Dv]``,
+    ``lse [N, Hq, Q]`` (at least fp32). ``backward`` computes the softmax row term from the ``out`` it is
+    given, so a caller that rescales rows (the sinks of :class:`_LseAttention`) passes the rescaled output.
+    """
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)`` of the rows over their keys."""
+        ...
+
+    def backward(
+        self,
+        grad: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(dq, dk, dv)`` given ``grad [N, Hq, Q, Dv]``, ``out`` and ``lse``."""
+        ...
+
+
+class _LseAttention(torch.autograd.Function):
+    """``kernel``'s attention of ``q [N, Hq, Q, D]`` over ``k/v [N, Hkv, K, D|Dv]``, with optional sinks ``[Hq]``.
+
+    A sink joins each row's softmax denominator and carries no value, so with the sink-free kernel's
+    ``out`` and ``lse`` the exact result is ``out * a`` with ``a = sigmoid(lse - sink)`` per head. Backward
+    calls the kernel's backward with ``a * grad`` and the returned (scaled) output: its probabilities are the
+    sink-free ones, and scaling both gives each score the gradient ``a p (g.v - a g.o)`` of the softmax with
+    the sink. The sink's own gradient is ``-sum a (1 - a) (g.o)`` over the head's rows. Only q/k/v, the
+    output and ``lse`` are saved.
     """
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
-        prefix = k.shape[2] - q.shape[2]
-        blocks = (_KeyBlock(0, prefix, "none"), _KeyBlock(prefix, q.shape[2], "causal"))
-        parts = [_flash_block(q, *_block_keys(k, v, block), block.mask, scale) for block in blocks]
-        out, lse = _merge_blocks(parts, q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.blocks = scale, blocks
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, kernel: _LseKernel
+    ) -> torch.Tensor:
+        out, lse = kernel.forward(q, k, v)
+        if sinks is not None:
+            out = (out * _sink_scale(lse, sinks).unsqueeze(-1)).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.kernel = kernel
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         grad = token_major(grad)  # the flash backward works token-major: any other layout is copied there
+        d_sinks = None
+        if sinks is not None:
+            a = _sink_scale(lse, sinks)  # [N, Hq, Q]
+            # g.o with the sink-free o = out / a: -sum a (1 - a) (g.o) = -sum (1 - a) (g.out)
+            d_sinks = -((1 - a) * (grad.to(a.dtype) * out).sum(-1)).sum((0, 2)).to(sinks.dtype)
+            grad = (grad * a.unsqueeze(-1)).to(q.dtype)
+        dq, dk, dv = ctx.kernel.backward(grad, q, k, v, out, lse)
+        return dq, dk, dv, d_sinks, None
+
+
+def _sink_scale(lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """``sigmoid(lse - sink)`` ``[N, Hq, Q]``: the share of each row's softmax mass its keys keep next to the sink."""
+    return torch.sigmoid(lse - sinks.to(lse.dtype).view(1, -1, 1))
+
+
+@dataclass(frozen=True)
+class _CausalBlocks:
+    """Bottom-right causal attention of ``q [N, Hq, Q, D]`` over ``k/v [N, Hkv, P + Q, D]`` without a mask (CPU).
+
+    Split the keys: every row sees all ``P`` prefix keys (one unmasked flash call) and the last ``Q`` keys
+    causally (one ``is_causal`` call on a square); the two partial softmaxes merge through their
+    log-sum-exps. Backward calls the flash backward per key block with the *merged* output and log-sum-exp,
+    which gives each block its exact gradient (the ring-attention identity). Masks would cost memory (SDPA
+    saves them) and, on CPU, most of the time.
+    """
+
+    scale: float | None
+
+    @staticmethod
+    def _blocks(q: torch.Tensor, k: torch.Tensor) -> tuple[_KeyBlock, ...]:
+        prefix = k.shape[2] - q.shape[2]
+        blocks = (_KeyBlock(0, prefix, "none"), _KeyBlock(prefix, q.shape[2], "causal"))
+        return tuple(block for block in blocks if block.length)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = [_flash_block(q, *_block_keys(k, v, b), b.mask, self.scale) for b in self._blocks(q, k)]
+        return _merge_blocks(parts, q.dtype)
+
+    def backward(
+        self,
+        grad: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         grads = [
-            _flash_block_backward(grad, q, *_block_keys(k, v, block), out, lse, block.mask, ctx.scale)
-            for block in ctx.blocks
+            _flash_block_backward(grad, q, *_block_keys(k, v, b), out, lse, b.mask, self.scale)
+            for b in self._blocks(q, k)
         ]
-        dq = sum(g[0] for g in grads)
-        return dq, cat_rows([g[1] for g in grads]), cat_rows([g[2] for g in grads]), None
+        if len(grads) == 1:
+            return grads[0]
+        return grads[0][0] + grads[1][0], *(torch.cat([g[i] for g in grads], dim=2) for i in (1, 2))
 
 
 def _block_keys(k: torch.Tensor, v: torch.Tensor, block: _KeyBlock) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,11 +302,11 @@ def _bottom_right_causal(
     """One segment whose ``q [1, Hq, Q, D]`` rows are the last ``Q`` of its ``k [1, Hkv, K, D]`` keys.
 
     Query row ``i`` sees keys ``[0, K - Q + i]``: SDPA's ``is_causal`` (aligned
-    top-left) does not fit. On CPU without dropout: :class:`_PrefixThenCausal`
+    top-left) does not fit. On CPU without dropout: :class:`_CausalBlocks`
     (no mask); elsewhere :func:`_masked_tiles`.
     """
     if _cpu_flash_applies(q, v, dropout_p):
-        return _PrefixThenCausal.apply(q, k, v, scale)
+        return _LseAttention.apply(q, k, v, None, _CausalBlocks(scale))
     return _masked_tiles(q, k, v, scale, dropout_p, PLAIN, None)
 
 
@@ -355,57 +430,58 @@ def _merge_blocks(parts: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.d
     return out.to(dtype), lse
 
 
-class _SlidingWindow(torch.autograd.Function):
+@dataclass(frozen=True)
+class _WindowTiles:
     """Bottom-right sliding-window attention of ``q [B, Hq, Q, D]`` over ``k/v [B, Hkv, P + Q, D]`` without a
     mask (CPU): row ``i`` sees keys ``(P + i - W, P + i]``.
 
     Rows are cut into tiles of ``W - 1`` (:func:`_window_runs`); each tile attends at most three key blocks
     with mask-free flash calls (:func:`_window_tile`), merged through their log-sum-exps, and tiles of one
     shape share one call per block (stacked in the batch dim). Backward calls the flash backward per block
-    with the merged output and log-sum-exp, like :class:`_PrefixThenCausal`. Work is about ``W`` keys per row
-    (the flash kernel skips the masked halves); only q/k/v, the output and ``lse [B, Hq, Q]`` are saved.
+    with the merged output and log-sum-exp, like :class:`_CausalBlocks`. Work is about ``W`` keys per row
+    (the flash kernel skips the masked halves).
     """
 
-    @staticmethod
-    def forward(
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float | None
-    ) -> torch.Tensor:
-        runs = _window_runs(q.shape[2], k.shape[2], window)
+    window: int
+    scale: float | None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         outs, lses = [], []
-        for run in runs:
+        for run in _window_runs(q.shape[2], k.shape[2], self.window):
             q_tiles = _tiles(q, run.first_row, run.rows, run.count)
             parts = [
-                _flash_block(q_tiles, *(_tiles(x, b.start, b.length, run.count) for x in (k, v)), b.mask, scale)
+                _flash_block(q_tiles, *(_tiles(x, b.start, b.length, run.count) for x in (k, v)), b.mask, self.scale)
                 for b in run.blocks
             ]
             out, lse = _merge_blocks(parts, q.dtype)
             outs.append(_untiles(out, run.count))
             lses.append(_untiles(lse, run.count))
-        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.runs = scale, runs
-        return out
+        return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
-        grad = grad.contiguous()
+    def backward(
+        self,
+        grad: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # A key gets gradient from two tiles: accumulate in at least fp32 so half precision rounds once.
         acc = torch.promote_types(k.dtype, torch.float32)
         dq = torch.empty_like(q)
         dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (k, v))
-        for run in ctx.runs:
-            rows = (_tiles(x, run.first_row, run.rows, run.count) for x in (grad, q, out, lse))
-            g_t, q_t, o_t, l_t = rows
+        for run in _window_runs(q.shape[2], k.shape[2], self.window):
+            g_t, q_t, o_t, l_t = (_tiles(x, run.first_row, run.rows, run.count) for x in (grad, q, out, lse))
             dq_t = None
             for b in run.blocks:
                 k_t, v_t = (_tiles(x, b.start, b.length, run.count) for x in (k, v))
-                gq, gk, gv = _flash_block_backward(g_t, q_t, k_t, v_t, o_t, l_t, b.mask, ctx.scale)
+                gq, gk, gv = _flash_block_backward(g_t, q_t, k_t, v_t, o_t, l_t, b.mask, self.scale)
                 dq_t = gq if dq_t is None else dq_t + gq
                 dk[:, :, b.start : b.start + run.count * b.length] += _untiles(gk, run.count)
                 dv[:, :, b.start : b.start + run.count * b.length] += _untiles(gv, run.count)
             dq[:, :, run.first_row : run.first_row + run.count * run.rows] = _untiles(dq_t, run.count)
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
 def _bottom_right_window(
@@ -413,12 +489,140 @@ def _bottom_right_window(
 ) -> torch.Tensor:
     """Segments ``q [B, Hq, Q, D]`` whose rows are the last ``Q`` of ``k [B, Hkv, K, D]``, sliding ``window < K``.
 
-    On CPU without dropout (and ``Dv == D``, ``window >= 2``): :class:`_SlidingWindow` (no mask); elsewhere
+    On CPU without dropout (and ``Dv == D``, ``window >= 2``): :class:`_WindowTiles` (no mask); elsewhere
     :func:`_masked_tiles`. ``window == 1`` (each row sees itself) has no tile of ``window - 1`` rows.
     """
     if _cpu_flash_applies(q, v, dropout_p) and window >= 2:
-        return _SlidingWindow.apply(q, k, v, window, scale)
+        return _LseAttention.apply(q, k, v, None, _WindowTiles(window, scale))
     return _masked_tiles(q, k, v, scale, dropout_p, PLAIN, window)
+
+
+def _grouped_rows(x: torch.Tensor, start: int, stop: int, kv_heads: int) -> torch.Tensor:
+    """Rows ``[start, stop)`` of ``x [N, Hq, Q, ...]`` with each key/value head's query heads stacked:
+    ``[N, Hkv, Hq / Hkv * (stop - start), ...]`` (query head ``h`` reads key/value head ``h // (Hq / Hkv)``)."""
+    n, heads = x.shape[:2]
+    return x[:, :, start:stop].reshape(n, kv_heads, heads // kv_heads * (stop - start), *x.shape[3:])
+
+
+@dataclass(frozen=True)
+class _SoftcapTiles:
+    """Soft-capped (and optionally windowed) bottom-right attention in row tiles that keep no scores.
+
+    Shapes as :class:`_LseKernel`; row ``i`` of ``Q`` sees keys ``(K - Q + i - window, K - Q + i]``. Each
+    tile of rows computes ``c * tanh(s / c)`` over the keys its rows see, masks only where rows see
+    different keys, and keeps its output and log-sum-exp; backward recomputes the tile's scores from
+    ``lse`` (flash attention's recompute, with the soft-cap's ``1 - tanh^2`` in the chain). GQA runs as one
+    matrix product per key/value head (its query heads stacked as rows), never with repeated keys. Memory is
+    one tile's scores (at most ``_MASK_BUDGET`` elements), never ``[Q, K]``. Math in at least fp32.
+    """
+
+    softcap: float
+    window: int | None
+    scale: float | None
+
+    def _tiles(self, q: torch.Tensor, k: torch.Tensor) -> Iterator[tuple[int, int, int, int]]:
+        """``(first row, stop row, first key, stop key)`` of each row tile."""
+        q_len, k_len = q.shape[2], k.shape[2]
+        prefix = k_len - q_len
+        span = k_len if self.window is None else min(k_len, self.window - 1 + _TILE_ROWS)
+        rows = max(1, min(q_len, _TILE_ROWS, _MASK_BUDGET // (q.shape[0] * q.shape[1] * span)))
+        for a in range(0, q_len, rows):
+            b = min(q_len, a + rows)
+            yield a, b, 0 if self.window is None else max(0, prefix + a - self.window + 1), prefix + b
+
+    def _tanh_scores(self, q: torch.Tensor, k: torch.Tensor, tile: tuple[int, int, int, int]) -> torch.Tensor:
+        """``tanh(scale * q k^T / c)`` of one tile: ``[N, Hkv, Hq / Hkv * rows, keys]``."""
+        a, b, lo, hi = tile
+        scale = q.shape[3] ** -0.5 if self.scale is None else self.scale
+        rows = _grouped_rows(q, a, b, k.shape[1]) * (scale / self.softcap)
+        return torch.matmul(rows, k[:, :, lo:hi].transpose(-1, -2)).tanh_()
+
+    def _mask_(self, scores: torch.Tensor, tile: tuple[int, int, int, int], prefix: int) -> torch.Tensor:
+        """Set the keys a tile's rows do not see to ``-inf`` (in place): the diagonal triangle, and the
+        window's left edge."""
+        a, b, lo, hi = tile
+        view = scores.unflatten(2, (-1, b - a))  # [N, Hkv, Hq / Hkv, rows, keys]
+        if self.window is None:
+            hidden = torch.ones(b - a, b - a, dtype=torch.bool, device=scores.device).triu_(1)
+            view[..., prefix + a - lo :].masked_fill_(hidden, float("-inf"))
+            return scores
+        last = prefix + a + torch.arange(b - a, device=scores.device)[:, None]  # last key each row sees
+        keys = lo + torch.arange(hi - lo, device=scores.device)[None, :]
+        view.masked_fill_((keys > last) | (keys <= last - self.window), float("-inf"))
+        return scores
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        acc = torch.promote_types(q.dtype, torch.float32)
+        qa, ka, va = (x.to(acc) for x in (q, k, v))
+        n, heads, q_len = q.shape[:3]
+        out = torch.empty(n, heads, q_len, v.shape[3], dtype=acc, device=q.device)
+        lse = torch.empty(n, heads, q_len, dtype=acc, device=q.device)
+        prefix = k.shape[2] - q_len
+        for tile in self._tiles(q, k):
+            a, b, lo, hi = tile
+            scores = self._mask_(self._tanh_scores(qa, ka, tile).mul_(self.softcap), tile, prefix)
+            top = scores.amax(-1, keepdim=True)
+            probs = scores.sub_(top).exp_()  # unnormalized; the output divides once per row
+            total = probs.sum(-1, keepdim=True)
+            out[:, :, a:b] = torch.matmul(probs, va[:, :, lo:hi]).div_(total).view(n, heads, b - a, -1)
+            lse[:, :, a:b] = top.add_(total.log_()).view(n, heads, b - a)
+        return out.to(q.dtype), lse
+
+    def backward(
+        self,
+        grad: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        acc = torch.promote_types(q.dtype, torch.float32)
+        qa, ka, va, ga = (x.to(acc) for x in (q, k, v, grad))
+        kv_heads, prefix = k.shape[1], k.shape[2] - q.shape[2]
+        scale = q.shape[3] ** -0.5 if self.scale is None else self.scale
+        row_term = (ga * out.to(acc)).sum(-1, keepdim=True)  # [N, Hq, Q, 1]
+        neg_lse = -lse.to(acc).unsqueeze(-1)
+        dq = torch.empty_like(qa)
+        dk, dv = torch.zeros_like(ka), torch.zeros_like(va)
+        for tile in self._tiles(q, k):
+            a, b, lo, hi = tile
+            tanh = self._tanh_scores(qa, ka, tile)
+            # p = exp(c * tanh - lse), the probabilities of the forward
+            probs = self._mask_(
+                torch.add(_grouped_rows(neg_lse, a, b, kv_heads), tanh, alpha=self.softcap), tile, prefix
+            )
+            probs.exp_()
+            g_rows = _grouped_rows(ga, a, b, kv_heads)
+            dv[:, :, lo:hi] += torch.matmul(probs.transpose(-1, -2), g_rows)
+            d_scores = torch.matmul(g_rows, va[:, :, lo:hi].transpose(-1, -2))
+            d_scores.sub_(_grouped_rows(row_term, a, b, kv_heads)).mul_(probs)
+            # through c * tanh(scale * s / c): d/ds = scale * (1 - tanh^2)
+            d_scores.mul_(tanh.mul_(tanh).neg_().add_(1)).mul_(scale)
+            dq[:, :, a:b] = torch.matmul(d_scores, ka[:, :, lo:hi]).view(*q.shape[:2], b - a, -1)
+            dk[:, :, lo:hi] += torch.matmul(d_scores.transpose(-1, -2), _grouped_rows(qa, a, b, kv_heads))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _lse_kernel(
+    q: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float,
+    window: int | None,
+    variant: AttentionVariant,
+    scale: float | None,
+) -> _LseKernel | None:
+    """The mask-free kernel for a soft-cap or sinks call on segments ``q [N, Hq, Q, D]``, or ``None`` (dropout,
+    or sinks where the CPU flash op cannot run): soft-cap tiles on any device, sinks over the CPU flash op."""
+    if dropout_p > 0.0:
+        return None
+    if variant.softcap is not None:
+        return _SoftcapTiles(float(variant.softcap), window, scale)
+    if not _cpu_flash_applies(q, v, dropout_p):
+        return None
+    if window is None:
+        return _CausalBlocks(scale)
+    return _WindowTiles(window, scale) if window >= 2 else None
 
 
 def _masked_tiles(
@@ -490,9 +694,11 @@ def sdpa_varlen(
 
     Square segments (keys start at their first row) run as ``is_causal`` SDPA,
     segments with earlier keys as :func:`_bottom_right_causal`, segments whose
-    sliding window is shorter than their keys as :func:`_bottom_right_window`,
-    and soft-cap or sinks (which SDPA cannot express) as :func:`_masked_tiles`;
-    memory stays O(tokens) (the fused kernels skip the masked half), and on
+    sliding window is shorter than their keys as :func:`_bottom_right_window`.
+    Soft-cap runs as :class:`_SoftcapTiles` and sinks rescale the flash output
+    (:class:`_LseAttention`); only with dropout (or sinks where the CPU flash op
+    cannot run) do they fall back to explicit scores (:func:`_masked_tiles`).
+    Memory stays O(tokens) (the fused kernels skip the masked half), and on
     short rows with many same-shape segments the per-call overhead is paid
     once per shape, not per segment.
     """
@@ -509,7 +715,11 @@ def sdpa_varlen(
         # A window at least as long as the segment's keys hides nothing: plain causal.
         window = meta.window if meta.window is not None and meta.window < batch.k_len else None
         if explicit:
-            ob = _masked_tiles(qb, kb, vb, scale, dropout_p, variant, window)
+            kernel = _lse_kernel(qb, vb, dropout_p, window, variant, scale)
+            if kernel is None:
+                ob = _masked_tiles(qb, kb, vb, scale, dropout_p, variant, window)
+            else:
+                ob = _LseAttention.apply(qb, kb, vb, variant.sinks, kernel)
         elif window is not None:
             ob = _bottom_right_window(qb, kb, vb, scale, dropout_p, window)
         elif batch.k_len == batch.q_len:

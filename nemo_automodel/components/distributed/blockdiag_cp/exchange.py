@@ -521,7 +521,7 @@ def send_buffer(
         if send is None:
             picked = whole
         elif not send:  # nothing to send, but the buffer must stay in the graph: its backward receives
-            picked = whole[:, :, :0]
+            picked = min(pieces, key=lambda c: c.shape[2])[:, :, :0]  # its zero gradient: the smallest chunk's
         else:
             picked = cat_rows([pieces[i] for i in send])
         parts.append(picked[0].transpose(0, 1))  # [T, Hkv, D]: a view; models usually hold this layout already
@@ -547,20 +547,18 @@ def split_received(
 
 
 def assemble(
-    whole: torch.Tensor,
-    local: tuple[torch.Tensor, ...],
-    received: tuple[torch.Tensor, ...] | None,
-    runs: tuple[ChunkRun, ...],
+    local: tuple[torch.Tensor, ...], received: tuple[torch.Tensor, ...] | None, runs: tuple[ChunkRun, ...]
 ) -> torch.Tensor:
-    """A group's packed keys (or values) ``[1, Hkv, K, D]`` from local and received chunks ``[1, Hkv, n, D]``.
+    """A group's packed keys (or values) ``[1, Hkv, K, D]`` from local and received chunks ``[1, Hkv, n, D]``."""
+    parts = chunks_in_order(local, received, runs)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
-    ``whole`` is the local tensor ``[1, Hkv, L, D]`` that ``local`` splits. Keys that are all of it (a
-    rank whose documents all start on it) are ``whole`` itself; one chunk is returned as it is (a view);
-    more are joined token-major (:func:`~.rows.cat_rows`).
-    """
-    if runs == ((False, 0, len(local)),):
-        return whole
-    return cat_rows([c for from_received, a, b in runs for c in (received if from_received else local)[a:b]])
+
+def chunks_in_order(
+    local: tuple[torch.Tensor, ...], received: tuple[torch.Tensor, ...] | None, runs: tuple[ChunkRun, ...]
+) -> list[torch.Tensor]:
+    """A group's key (or value) chunks ``[1, Hkv, n, D]`` in packed order, from the local and received ones."""
+    return [c for from_received, a, b in runs for c in (received if from_received else local)[a:b]]
 
 
 def anchor_like(heads: int, dim: int, received: torch.Tensor) -> torch.Tensor:

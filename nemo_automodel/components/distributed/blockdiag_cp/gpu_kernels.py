@@ -1,11 +1,14 @@
 """GPU varlen kernels: one library call (or, for the boundary guard, a few) per group of segments.
 
-Each kernel takes local queries ``q [1, Hq, L, D]`` and packed keys/values
-``k [1, Hkv, K, D]``, ``v [1, Hkv, K, Dv]`` described by a
-:class:`~.metadata.VarlenMeta`, and returns ``[1, Hq, L, Dv]`` with zero padding
-rows. What each library can run is decided in :mod:`.gpu_libraries` from facts
-probed once; the functions here adapt those rules to the registry
-(:data:`~.kernels.KERNELS`) and call the libraries through the probed functions.
+Each kernel takes the libraries' own token-major (THD) format: the real queries
+``q [n_real, Hq, D]`` (possibly a strided view: the kernel packs them with at most one
+copy, straight into the rows it launches) and packed keys/values ``k [K, Hkv, D]``,
+``v [K, Hkv, Dv]`` (contiguous) described by a :class:`~.metadata.VarlenMeta`, and returns the output
+``[n_real, Hq, Dv]`` as row pieces (:data:`Pieces`: one per library call, in row order),
+which the caller writes once to where the model reads them (:mod:`.kernel_io`).
+What each library can run is decided in :mod:`.gpu_libraries` from facts probed once;
+the functions here adapt those rules to the registry (:data:`~.kernels.KERNELS`) and
+call the libraries through the probed functions.
 
 ``flash``         flash-attn 2 (>= 2.6.2) ``flash_attn_varlen_func``/``flash_attn_func``, ``causal=True``.
 ``fa3``           FlashAttention-3 (``flash_attn_interface``), the same calls without dropout; Hopper.
@@ -50,9 +53,25 @@ _TORCH_SDPA = F.scaled_dot_product_attention
 
 
 def reset_caches() -> None:
-    """Forget every probe and TE module (tests that swap packages in and out)."""
+    """Forget every probe, TE module and per-call verdict (tests that swap packages in and out)."""
     libs_.reset_probes()
     _TE_MODULES.clear()
+    _VERDICTS.clear()
+
+
+# Host verdicts every layer of a step would otherwise recompute (variant re-checks, TE's backend):
+# (what, kernel, the call's facts, the libraries) -> the verdict.
+_VERDICTS: dict[tuple[Any, ...], Any] = {}
+
+
+def _once(what: str, kernel: str, call: KernelCall, libs: GpuLibraries, compute: Callable[[], Any]) -> Any:
+    """``compute()`` once per kind of verdict, kernel, call shape, variant and probed libraries."""
+    v = call.variant
+    shape = (call.dtype, call.head_dim, call.value_head_dim, call.dropout_p)
+    key = (what, kernel, shape, v.window, v.chunk, v.softcap, v.sinks is not None, v.source, libs)
+    if key not in _VERDICTS:
+        _VERDICTS[key] = compute()
+    return _VERDICTS[key]
 
 
 # ---------------------------------------------------------------------------
@@ -168,17 +187,6 @@ def warn_if_te_auto_skipped(call: KernelCall, libs: GpuLibraries) -> None:
 # ---------------------------------------------------------------------------
 
 
-def _to_thd(x: torch.Tensor) -> torch.Tensor:
-    """``[1, H, T, D]`` -> contiguous ``[T, H, D]`` (the varlen kernels' token-major layout)."""
-    return x[0].transpose(0, 1).contiguous()
-
-
-def _from_thd(out: torch.Tensor, num_heads: int, local_len: int) -> torch.Tensor:
-    """``[n_real, Hq, Dv]`` or ``[n_real, Hq * Dv]`` -> ``[1, Hq, L, Dv]``, zero rows past ``n_real``."""
-    out = out.reshape(out.shape[0], num_heads, -1).transpose(0, 1).unsqueeze(0)
-    return F.pad(out, (0, 0, 0, local_len - out.shape[2]))
-
-
 def _first(result: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
     """The output of a call that returns either ``out`` or ``(out, softmax_lse, ...)``."""
     return result[0] if isinstance(result, tuple | list) else result
@@ -226,9 +234,13 @@ FixedCall = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 VarlenCall = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int], torch.Tensor]
 
 
+Pieces = tuple[torch.Tensor, ...]
+"""A kernel's output rows ``[n_i, Hq, Dv]``, in row order: together the ``[n_real, Hq, Dv]`` output."""
+
+
 def boundary_guarded(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMeta, fixed: FixedCall, varlen: VarlenCall
-) -> torch.Tensor:
+) -> Pieces:
     """Attend ``q [n_real, Hq, D]`` over ``k/v [K, Hkv, D|Dv]`` with no varlen launch over a segment with k > q.
 
     Upstream (NVIDIA-NeMo/Automodel ``_flash_varlen_with_long_prefix_guard``) saw
@@ -238,20 +250,31 @@ def boundary_guarded(
     fixed-length call (same bottom-right causal layout, no ``cu_seqlens``); the
     square segments between them stay in varlen calls whose offsets are
     device-side slices of ``cu_q`` (no host sync). A group without a straddling
-    segment is one varlen call.
+    segment is one varlen call. Each call's output is one piece (never concatenated here).
     """
-    pieces = boundary_pieces(meta)
-    if not any(p.straddles for p in pieces):
-        return varlen(q, k, v, meta.cu_q, meta.cu_k, meta.max_q, meta.max_k)
+    pieces = guarded_pieces(meta)
+    if not any(p.straddles for p, _ in pieces):
+        return (varlen(q, k, v, meta.cu_q, meta.cu_k, meta.max_q, meta.max_k),)
     outs = []
-    for p in pieces:
+    for p, cu in pieces:
         qs, ks, vs = q[p.q[0] : p.q[1]], k[p.k[0] : p.k[1]], v[p.k[0] : p.k[1]]
-        if p.straddles:
+        if cu is None:  # a straddling segment
             outs.append(fixed(qs, ks, vs))
         else:  # square segments: one offset tensor indexes queries and keys
-            cu = meta.cu_q[p.first : p.stop + 1] - meta.cu_q[p.first]
             outs.append(varlen(qs, ks, vs, cu, cu, p.max_len, p.max_len))
-    return torch.cat(outs)
+    return tuple(outs)
+
+
+def guarded_pieces(meta: VarlenMeta) -> tuple[tuple[Piece, torch.Tensor | None], ...]:
+    """:func:`boundary_pieces` with each square run's ``cu_seqlens`` (a device slice), built once per metadata."""
+    found = meta._derived.get("guarded_pieces")
+    if found is None:
+        found = tuple(
+            (p, None if p.straddles else meta.cu_q[p.first : p.stop + 1] - meta.cu_q[p.first])
+            for p in boundary_pieces(meta)
+        )
+        meta._derived["guarded_pieces"] = found
+    return found
 
 
 def flash_window(window: int | None) -> tuple[int, int]:
@@ -266,7 +289,7 @@ def _require(problem: str | None) -> None:
 
 
 def _call_of(q: torch.Tensor, v: torch.Tensor, dropout_p: float, variant: AttentionVariant) -> KernelCall:
-    return KernelCall(q.dtype, q.shape[3], v.shape[3], dropout_p, variant)
+    return KernelCall(q.dtype, q.shape[-1], v.shape[-1], dropout_p, variant)
 
 
 # ---------------------------------------------------------------------------
@@ -292,7 +315,7 @@ def _flash_family(
     dropout_p: float,
     variant: AttentionVariant,
     functions: FlashFunctions,
-) -> torch.Tensor:
+) -> Pieces:
     """``causal=True`` (bottom-right) calls of flash-attn 2 or FA3, boundary-guarded.
 
     Only keywords after q/k/v: FA3's positional order changed between builds.
@@ -323,8 +346,7 @@ def _flash_family(
         seqlens = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "max_seqlen_q": max_q, "max_seqlen_k": max_k}
         return _first(functions.varlen(qs, ks, vs, **seqlens, **options))
 
-    out = boundary_guarded(_to_thd(q[:, :, : meta.n_real]), _to_thd(k), _to_thd(v), meta, fixed, varlen)
-    return _from_thd(out, q.shape[1], meta.local_len)
+    return boundary_guarded(q.contiguous(), k, v, meta, fixed, varlen)
 
 
 def _flash_library(
@@ -336,13 +358,14 @@ def _flash_library(
     scale: float | None,
     dropout_p: float,
     variant: AttentionVariant,
-) -> torch.Tensor:
+) -> Pieces:
     """``flash`` or ``fa3``: the probed library's functions through :func:`_flash_family`, features re-checked."""
     libs = probe_gpu_libraries(q.device)
     facts, variant_check = (
         (libs.flash, flash_variant_problem) if library == "flash" else (libs.fa3, fa3_variant_problem)
     )
-    _require(None if variant.plain else variant_check(_call_of(q, v, dropout_p, variant), libs))
+    call = _call_of(q, v, dropout_p, variant)
+    _require(None if variant.plain else _once("variant", library, call, libs, lambda: variant_check(call, libs)))
     if library == "fa3" and dropout_p > 0:
         raise ValueError("fa3 has no dropout; attn_backend='fa3' needs dropout_p=0")
     _require(facts.problem)
@@ -358,7 +381,7 @@ def flash(
     scale: float | None,
     dropout_p: float,
     variant: AttentionVariant = PLAIN,
-) -> torch.Tensor:
+) -> Pieces:
     """flash-attn 2: ``flash_attn_varlen_func`` with ``causal=True`` (bottom-right), boundary-guarded."""
     return _flash_library("flash", q, k, v, meta, scale, dropout_p, variant)
 
@@ -371,7 +394,7 @@ def fa3(
     scale: float | None,
     dropout_p: float,
     variant: AttentionVariant = PLAIN,
-) -> torch.Tensor:
+) -> Pieces:
     """FlashAttention-3 varlen with ``causal=True`` (bottom-right), boundary-guarded like ``flash``."""
     return _flash_library("fa3", q, k, v, meta, scale, dropout_p, variant)
 
@@ -389,7 +412,7 @@ def torch_varlen(
     scale: float | None,
     dropout_p: float,
     variant: AttentionVariant = PLAIN,
-) -> torch.Tensor:
+) -> Pieces:
     """torch's ``varlen_attn``; causal is ``window_size=(-1, 0)`` (it sets ``is_causal = window_size == (-1, 0)``).
 
     The bundled flash kernel aligns causal masks bottom-right, as flash-attn 2 does; a window
@@ -400,7 +423,9 @@ def torch_varlen(
     windowed ones are made square by :func:`_square_windowed`.
     """
     libs = probe_gpu_libraries(q.device)
-    _require(torch_varlen_variant_problem(_call_of(q, v, dropout_p, variant), libs) if not variant.plain else None)
+    call = _call_of(q, v, dropout_p, variant)
+    check = lambda: torch_varlen_variant_problem(call, libs)  # noqa: E731
+    _require(None if variant.plain else _once("variant", "torch_varlen", call, libs, check))
     if dropout_p > 0:
         raise ValueError("torch_varlen has no dropout; attn_backend='torch_varlen' needs dropout_p=0")
     _require(libs.torch_varlen.problem)
@@ -429,34 +454,59 @@ def torch_varlen(
         out = _TORCH_SDPA(to_bhsd(qs), to_bhsd(ks), to_bhsd(vs), attn_mask=bias, scale=scale, enable_gqa=gqa)
         return out[0].transpose(0, 1)
 
-    qt, kt, vt = _to_thd(q[:, :, : meta.n_real]), _to_thd(k), _to_thd(v)
     if meta.window is not None:
-        out = _square_windowed(qt, kt, vt, meta, varlen)
-    else:
-        out = boundary_guarded(qt, kt, vt, meta, fixed, varlen)
-    return _from_thd(out, q.shape[1], meta.local_len)
+        return _square_windowed(q, k, v, meta, varlen)
+    return boundary_guarded(q.contiguous(), k, v, meta, fixed, varlen)
 
 
-def _square_windowed(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMeta, varlen: VarlenCall
-) -> torch.Tensor:
+@dataclass(frozen=True)
+class SquareRows:
+    """Where a windowed group's rows sit once every segment is made square (built once per metadata).
+
+    Attributes:
+        real: Position of each real query row in the square layout ``[n_real]`` (device).
+        total: Rows of the square layout (``sum(k_lens)``).
+        runs: ``(start, stop)`` runs of real rows in the square layout, in row order: the output pieces.
+    """
+
+    real: torch.Tensor
+    total: int
+    runs: tuple[tuple[int, int], ...]
+
+
+def square_rows(meta: VarlenMeta) -> SquareRows:
+    """The :class:`SquareRows` of ``meta``, computed on its first use and kept with it."""
+    found = meta._derived.get("square_rows")
+    if found is None:
+        runs: list[tuple[int, int]] = []
+        for _, q_len, k0, k_len in meta.segments():
+            start = k0 + k_len - q_len
+            if runs and runs[-1][1] == start:
+                runs[-1] = (runs[-1][0], k0 + k_len)
+            else:
+                runs.append((start, k0 + k_len))
+        real = torch.cat([torch.arange(a, b) for a, b in runs]).to(meta.cu_k.device)
+        found = meta._derived["square_rows"] = SquareRows(real, meta.kv_len, tuple(runs))
+    return found
+
+
+def _square_windowed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMeta, varlen: VarlenCall) -> Pieces:
     """One varlen call over square segments: each segment's ``k - q`` earlier keys get zero query rows.
 
     Windowed segments keep at most ``W - 1`` keys before their first row, so the
     dummy rows cost at most ``W - 1`` rows per segment. In a square segment row
     ``r`` sees keys ``[r - W + 1, r]``; the real row ``a`` sits at ``r = k - q + a``,
     its bottom-right window. Dummy rows' outputs are dropped, so their gradient is
-    zero and they contribute nothing to dK/dV.
+    zero and they contribute nothing to dK/dV. The real rows go in with one
+    ``index_copy`` (from a strided ``q`` too: the query's only pack) and come out as
+    views (one piece per run of real rows).
     """
     if all(q_len == k_len for q_len, k_len in zip(meta.q_lens, meta.k_lens)):
-        return varlen(q, k, v, meta.cu_q, meta.cu_k, meta.max_q, meta.max_k)
-    rows = []
-    for q0, q_len, _, k_len in meta.segments():
-        if k_len > q_len:
-            rows.append(q.new_zeros(k_len - q_len, *q.shape[1:]))
-        rows.append(q[q0 : q0 + q_len])
-    out = varlen(torch.cat(rows), k, v, meta.cu_k, meta.cu_k, meta.max_k, meta.max_k)
-    return torch.cat([out[k0 + k_len - q_len : k0 + k_len] for _, q_len, k0, k_len in meta.segments()])
+        return (varlen(q.contiguous(), k, v, meta.cu_q, meta.cu_k, meta.max_q, meta.max_k),)
+    rows = square_rows(meta)
+    square = q.new_zeros(rows.total, *q.shape[1:]).index_copy_(0, rows.real, q)
+    out = varlen(square, k, v, meta.cu_k, meta.cu_k, meta.max_k, meta.max_k)
+    return tuple(out[a:b] for a, b in rows.runs)
 
 
 # ---------------------------------------------------------------------------
@@ -521,7 +571,7 @@ def te(
     scale: float | None,
     dropout_p: float,
     variant: AttentionVariant = PLAIN,
-) -> torch.Tensor:
+) -> Pieces:
     """TransformerEngine THD attention, ``padding_causal_bottom_right``, ``attention_type="cross"``.
 
     ``max_seqlen`` goes in rounded up to a multiple of 64 (:func:`.gpu_libraries.te_round_seqlen`).
@@ -531,9 +581,9 @@ def te(
     """
     libs = probe_gpu_libraries(q.device)
     call = _call_of(q, v, dropout_p, variant)
-    _require(te_variant_problem(call, libs) if not variant.plain else None)
+    _require(None if variant.plain else _once("variant", "te", call, libs, lambda: te_variant_problem(call, libs)))
     _require(libs.te.problem)
-    key = TEModuleKey(q.shape[1], k.shape[1], q.shape[3], v.shape[3], scale, dropout_p, str(q.device), meta.window)
+    key = TEModuleKey(q.shape[1], k.shape[1], q.shape[2], v.shape[2], scale, dropout_p, str(q.device), meta.window)
     heads = q.shape[1]
 
     def varlen(
@@ -555,9 +605,7 @@ def te(
         out = te_module(replace(key, qkv_format="bshd"), libs)(qs[None], ks[None], vs[None])
         return out.view(qs.shape[0], heads, -1)
 
-    qt, kt, vt = _to_thd(q[:, :, : meta.n_real]), _to_thd(k), _to_thd(v)
-    if libs_.te_guards_boundaries(libs.te, libs.device, call):
-        out = boundary_guarded(qt, kt, vt, meta, fixed, varlen)
-    else:
-        out = varlen(qt, kt, vt, meta.cu_q, meta.cu_k, meta.max_q, meta.max_k)
-    return _from_thd(out, heads, meta.local_len)
+    q = q.contiguous()
+    if _once("guard", "te", call, libs, lambda: libs_.te_guards_boundaries(libs.te, libs.device, call)):
+        return boundary_guarded(q, k, v, meta, fixed, varlen)
+    return (varlen(q, k, v, meta.cu_q, meta.cu_k, meta.max_q, meta.max_k),)

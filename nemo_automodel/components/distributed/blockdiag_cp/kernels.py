@@ -1,8 +1,13 @@
 """The kernel registry: which block-diagonal kernels exist, whether one can run a call, and dispatch.
 
-Every kernel has the contract of :mod:`.metadata` (local queries ``q [1, Hq, L, D]``
-against packed ``k [1, Hkv, K, D]``, ``v [1, Hkv, K, Dv]`` described by a
-:class:`~.metadata.VarlenMeta`; zero padding rows).
+Every kernel has the contract of :mod:`.metadata` (local queries against packed keys and
+values described by a :class:`~.metadata.VarlenMeta`), in its own format
+(:attr:`KernelSpec.layout`): the CPU kernels take ``q [1, Hq, L, D]``, ``k [1, Hkv, K, D]``,
+``v [1, Hkv, K, Dv]`` and return ``[1, Hq, L, Dv]`` with zero padding rows; the GPU kernels
+take the libraries' token-major ``q [n_real, Hq, D]``, ``k [K, Hkv, D]``, ``v [K, Hkv, Dv]``
+and return ``[n_real, Hq, Dv]``. :func:`blockdiag_attention` takes and returns the first
+format for every kernel; the CP runtime packs straight into each kernel's own
+(:mod:`.kernel_io`).
 
 Kernels (CPU-capable ones in :mod:`.cpu_kernels`, GPU ones in :mod:`.gpu_kernels`):
     ``fa3``          FlashAttention-3 varlen (Hopper, fp16/bf16, no dropout).
@@ -26,9 +31,10 @@ from typing import Any
 
 import torch
 
-from nemo_automodel.components.distributed.blockdiag_cp import cpu_kernels, gpu_kernels, gpu_libraries
+from nemo_automodel.components.distributed.blockdiag_cp import cpu_kernels, gpu_kernels, gpu_libraries, kernel_io
 from nemo_automodel.components.distributed.blockdiag_cp.cpu_kernels import TORCH_SDPA, explicit_attention
 from nemo_automodel.components.distributed.blockdiag_cp.gpu_libraries import GpuLibraries, KernelCall
+from nemo_automodel.components.distributed.blockdiag_cp.kernel_io import KernelLayout
 from nemo_automodel.components.distributed.blockdiag_cp.logs import log_once
 from nemo_automodel.components.distributed.blockdiag_cp.metadata import (
     AttentionGroup,
@@ -48,6 +54,7 @@ __all__ = [
     "KernelSpec",
     "KernelUnavailableError",
     "VarlenMeta",
+    "attend_packed",
     "blockdiag_attention",
     "build_varlen_meta",
     "build_window_plan",
@@ -80,7 +87,7 @@ class KernelSpec:
 
     Attributes:
         name: Canonical ``attn_backend`` value.
-        fn: The kernel (see the module docstring for the contract).
+        fn: The kernel (see the module docstring for the contract of each ``layout``).
         device_types: Devices it runs on (``None``: any).
         dtypes: Dtypes it accepts (``None``: any floating dtype).
         limits: Head-dim and dropout limits, true on every machine (checked first).
@@ -88,6 +95,8 @@ class KernelSpec:
         auto_skip: Why ``auto`` passes over the kernel although it could run.
         variant_problem: Why the kernel cannot express the call's :class:`AttentionVariant` (window,
             soft-cap, sinks), naming the feature; ``None``: it expresses every variant.
+        layout: The format ``fn`` takes and returns: ``bhsd`` (``[1, H, n, D]``) or ``thd``
+            (token-major ``[n, H, D]``, real rows only).
     """
 
     name: str
@@ -98,6 +107,7 @@ class KernelSpec:
     environment: EnvironmentCheck | None = None
     auto_skip: EnvironmentCheck | None = None
     variant_problem: EnvironmentCheck | None = None
+    layout: KernelLayout = "bhsd"
 
 
 KERNELS: dict[str, KernelSpec] = {
@@ -109,6 +119,7 @@ KERNELS: dict[str, KernelSpec] = {
         gpu_libraries.fa3_limits,
         gpu_kernels.fa3_environment,
         variant_problem=gpu_kernels.fa3_variant_problem,
+        layout="thd",
     ),
     "flash": KernelSpec(
         "flash",
@@ -118,6 +129,7 @@ KERNELS: dict[str, KernelSpec] = {
         gpu_libraries.flash_limits,
         gpu_kernels.flash_environment,
         variant_problem=gpu_kernels.flash_variant_problem,
+        layout="thd",
     ),
     "te": KernelSpec(
         "te",
@@ -128,6 +140,7 @@ KERNELS: dict[str, KernelSpec] = {
         gpu_kernels.te_environment,
         gpu_kernels.te_auto_skip,
         variant_problem=gpu_kernels.te_variant_problem,
+        layout="thd",
     ),
     "torch_varlen": KernelSpec(
         "torch_varlen",
@@ -137,6 +150,7 @@ KERNELS: dict[str, KernelSpec] = {
         gpu_libraries.torch_varlen_limits,
         gpu_kernels.torch_varlen_environment,
         variant_problem=gpu_kernels.torch_varlen_variant_problem,
+        layout="thd",
     ),
     "sdpa_varlen": KernelSpec("sdpa_varlen", cpu_kernels.sdpa_varlen),
     "dense": KernelSpec("dense", cpu_kernels.dense),
@@ -383,7 +397,7 @@ def blockdiag_attention(
     dropout_p: float,
     variant: AttentionVariant = PLAIN,
 ) -> torch.Tensor:
-    """Run ``kernel`` on one rank's local queries and packed keys.
+    """Run ``kernel`` on one rank's local queries and packed keys, in and out of ``[1, H, n, D]``.
 
     Args:
         kernel: A concrete kernel name from :data:`KERNELS`.
@@ -399,8 +413,33 @@ def blockdiag_attention(
     Returns:
         ``[1, Hq, L, Dv]``; padding rows are zero.
     """
-    if meta.window != variant.window:
-        raise ValueError(f"internal error: metadata for window {meta.window} used for window {variant.window}")
+    _check_window(meta, variant)
     if meta.n_real == 0:
         return zeros_attached(q, k, v, *variant.tensors, width=v.shape[3])
+    spec = KERNELS[kernel]
+    if spec.layout == "bhsd":
+        return attend_packed(kernel, q, k, v, meta, scale, dropout_p, variant)
+    (q_packed,), padding = kernel_io.query_parts(q, [(0, meta.n_real)], meta.n_real, "thd")
+    out = attend_packed(kernel, q_packed, kernel_io.packed(k), kernel_io.packed(v), meta, scale, dropout_p, variant)
+    shape = (meta.local_len, q.shape[1], v.shape[3])
+    return kernel_io.unpack([out], [(0, meta.n_real)], "thd", q, shape, padding, *variant.tensors)
+
+
+def attend_packed(
+    kernel: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: VarlenMeta,
+    scale: float | None,
+    dropout_p: float,
+    variant: AttentionVariant = PLAIN,
+) -> torch.Tensor:
+    """Run ``kernel`` on q/k/v already in its format (:attr:`KernelSpec.layout`); ``meta.n_real > 0``."""
+    _check_window(meta, variant)
     return KERNELS[kernel].fn(q, k, v, meta, scale, dropout_p, variant)
+
+
+def _check_window(meta: VarlenMeta, variant: AttentionVariant) -> None:
+    if meta.window != variant.window:
+        raise ValueError(f"internal error: metadata for window {meta.window} used for window {variant.window}")

@@ -22,6 +22,7 @@ import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import torch
 
@@ -62,6 +63,8 @@ class VarlenMeta:
     max_k: int
     window: int | None = None
     _masks: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    # host structures a kernel derives from the metadata, built at its first call and reused by every layer
+    _derived: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def kv_len(self) -> int:

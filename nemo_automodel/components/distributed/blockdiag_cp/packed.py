@@ -15,7 +15,8 @@ directly. Two pieces:
    the next row (or keep calling ``enable`` with the next row's ids).
 
 Any SDPA call whose shapes do not match the armed row passes straight through
-to torch's SDPA, so vision towers or unpacked attention are unaffected.
+to torch's SDPA, so vision towers or unpacked attention are unaffected (the policy
+shared with ``cp_blockdiag_sdpa`` outside a row: :mod:`.outside`).
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.hooks import RemovableHandle
 
-from nemo_automodel.components.distributed.blockdiag_cp import kernels, options
+from nemo_automodel.components.distributed.blockdiag_cp import gpu_libraries, kernels, options, outside
 from nemo_automodel.components.distributed.blockdiag_cp import state as state_module
+from nemo_automodel.components.distributed.blockdiag_cp.gpu_libraries import GpuLibraries
 from nemo_automodel.components.distributed.blockdiag_cp.layout import ShardPlan, doc_runs_from_ids, make_shard_plan
 from nemo_automodel.components.distributed.blockdiag_cp.metadata import VarlenMeta
 from nemo_automodel.components.distributed.blockdiag_cp.state import ThreadSharedSlot
@@ -41,13 +43,15 @@ class PackedState:
     """The armed packed row: its length, document layout and requested kernel.
 
     ``metas`` holds the kernel metadata per sliding window (``None``: full
-    causal), filled on the first call with each window.
+    causal), filled on the first call with each window; ``libraries``, the GPU
+    libraries probed when the row was armed (no call imports or probes).
     """
 
     seq_len: int
     plan: ShardPlan
     backend: str
     metas: dict[int | None, VarlenMeta] = field(default_factory=dict)
+    libraries: GpuLibraries | None = None
 
     def meta(self, window: int | None) -> VarlenMeta:
         """Kernel metadata of the row for ``window``, built once per armed row."""
@@ -79,7 +83,8 @@ def enable_cp1_packed_varlen(doc_ids: torch.Tensor, backend: str | None = None) 
     )
     plan = make_shard_plan(doc_runs_from_ids(doc_ids), 1)
     meta = kernels.precompute_blockdiag_varlen_meta(plan.segments(0), doc_ids.device)
-    _PACKED.set(PackedState(plan.runs.total_len, plan, requested, {None: meta}))
+    libraries = gpu_libraries.probe_gpu_libraries(doc_ids.device)
+    _PACKED.set(PackedState(plan.runs.total_len, plan, requested, {None: meta}, libraries))
 
 
 def disable_cp1_packed_varlen() -> None:
@@ -136,27 +141,10 @@ def packed_varlen_sdpa(
     variant = variant or PLAIN
     armed = _PACKED.get()
     if armed is None or not _matches(armed, query, key, value):
-        if not variant.plain:
-            raise ValueError(
-                f"packed_varlen_sdpa: {', '.join(map(variant.describe, variant.features()))} on a call that is "
-                "not the armed packed row (stock SDPA cannot express it); arm the row with enable_cp1_packed_varlen"
-            )
-        return kernels.TORCH_SDPA(
-            query,
-            key,
-            value,
-            attn_mask=attn_mask,
-            dropout_p=dropout_p,
-            is_causal=is_causal,
-            scale=scale,
-            enable_gqa=enable_gqa,
-            **kwargs,
-        )
-    if kwargs:
-        raise TypeError(
-            f"packed_varlen_sdpa on the armed packed row got keyword argument(s) it cannot honour: "
-            f"{', '.join(sorted(kwargs))}; pass a sliding window, soft-cap or sinks as variant=AttentionVariant(...)"
-        )
+        call = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, variant, kwargs)
+        remedy = "arm the row with enable_cp1_packed_varlen"
+        return outside.stock_sdpa("packed_varlen_sdpa outside the armed packed row", remedy, *call)
+    outside.refuse_keywords("packed_varlen_sdpa on the armed packed row", kwargs)
     kernels.validate_qkv(query, key, value, enable_gqa, armed.seq_len, variant)
     kernel = kernels.select_kernel(
         armed.backend,
@@ -166,6 +154,7 @@ def packed_varlen_sdpa(
         value_head_dim=value.shape[3],
         dropout_p=dropout_p,
         variant=variant,
+        libraries=armed.libraries,
     )
     meta = armed.meta(variant.window)
     kv_len = meta.kv_len

@@ -1,10 +1,14 @@
-"""The SDPA entry point and the collective-safe path decisions.
+"""The attention core of a packed row, its SDPA adapter, and the collective-safe path decisions.
 
-:func:`cp_blockdiag_sdpa` replaces ``torch.nn.functional.scaled_dot_product_attention``.
-Outside a row's context it *is* stock SDPA. Inside one it exchanges the needed K/V
-over the CP group and runs each attention group's local queries against its packed
-keys with a varlen kernel (per-document, bottom-right causal), from metadata built on
-the host out of the replicated shard plan (:mod:`.metadata`): no mask is built per call.
+:func:`attend_row` is the core: it takes the row's state and the attention variant as
+arguments, exchanges the needed K/V over the CP group and runs each attention group's
+local queries against its packed keys with a varlen kernel (per-document, bottom-right
+causal), from metadata built on the host out of the replicated shard plan
+(:mod:`.metadata`): no mask is built per call. A call does no host I/O, lookup of the
+group's hosts, library import or environment access: the row's build did those.
+:func:`cp_blockdiag_sdpa` is its adapter for code that calls SDPA: it reads the active
+row from the thread-shared slot (:mod:`.state`), and outside a row it *is* stock SDPA
+(:mod:`.outside`).
 
 Every rank must take the same path, or the group's collectives desynchronize
 and hang. Hence: the path is decided from replicated data (document ids, the
@@ -21,27 +25,32 @@ import contextlib
 import dataclasses
 import functools
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from nemo_automodel.components.distributed.blockdiag_cp import consensus, cost, exchange, kernels, options, topology
+from nemo_automodel.components.distributed.blockdiag_cp import (
+    consensus,
+    cost,
+    exchange,
+    kernel_io,
+    kernels,
+    outside,
+)
 from nemo_automodel.components.distributed.blockdiag_cp import state as state_module
 from nemo_automodel.components.distributed.blockdiag_cp.consensus import CallRecorder, group_size
 from nemo_automodel.components.distributed.blockdiag_cp.exchange import ExchangeOp, KVPlan, Route
 from nemo_automodel.components.distributed.blockdiag_cp.logs import log_once
 from nemo_automodel.components.distributed.blockdiag_cp.metadata import AttentionGroup, WindowPlan, build_window_plan
-from nemo_automodel.components.distributed.blockdiag_cp.rows import cat_rows, split_rows
+from nemo_automodel.components.distributed.blockdiag_cp.rows import split_rows
 from nemo_automodel.components.distributed.blockdiag_cp.state import StepState
+from nemo_automodel.components.distributed.blockdiag_cp.topology import GroupHosts
 from nemo_automodel.components.distributed.blockdiag_cp.variant import PLAIN, AttentionVariant, PlanKey, plan_key
 
 logger = logging.getLogger(__name__)
-
-# Torch's SDPA as imported, before any patch can replace the module attribute.
-_ORIGINAL_SDPA = F.scaled_dot_product_attention
 
 
 def exchange_stats(state: StepState | None = None) -> dict[str, Any] | None:
@@ -93,25 +102,26 @@ def reset_exchange_stats(state: StepState | None = None) -> None:
         state.stats.exchange_calls = 0
 
 
-def _cp_group_spans_nodes(group: dist.ProcessGroup | None, allow_cross_node: bool) -> bool:
+def _cp_group_spans_nodes(hosts: GroupHosts | None, allow_cross_node: bool) -> bool:
     """True when the CP group's ranks run on more than one host (their real hostnames) and that disables needed-only.
 
     Needed-only exchanges are point-to-point messages between any two CP ranks; those
     between nodes pay the inter-node link's latency and bandwidth, so they are disabled
     (the reason logged once per process) and all-gather is used, unless ``allow_cross_node``
     (``CPOptions.allow_cross_node``, from ``NEMO_CP_ALLOW_XNODE=1`` when the options were built).
-    The hostnames are gathered once per group (:mod:`.topology`: at mesh build in the
-    recipe, else at the first call, which every CP rank reaches at the same point).
+
+    Args:
+        hosts: The group's hosts, gathered when the row was built (:mod:`.topology`; ``None``: one host).
+        allow_cross_node: Keep needed-only exchanges across nodes.
     """
-    where = topology.group_hosts(group)
-    if not where.spans_nodes:
+    if hosts is None or not hosts.spans_nodes:
         return False
     log_once(
         logger,
         "cp-group-spans-nodes",
         logging.WARNING,
         "the CP group spans nodes (%s): %s",
-        where.describe(),
+        hosts.describe(),
         "NEMO_CP_ALLOW_XNODE=1 keeps needed-only K/V exchanges across nodes"
         if allow_cross_node
         else "needed-only K/V exchange disabled (its point-to-point messages between nodes would cross the "
@@ -135,67 +145,26 @@ def _needed_only_kernel_succeeded_on_all_ranks(
     return not consensus.failed_ranks(out is not None, group, device)
 
 
-def _resolve_cp_varlen_config(state: StepState | Mapping[str, Any]) -> tuple[str, str]:
-    """``(attn_backend, kv_exchange)`` for this step.
-
-    A step state carries its options; a mapping (the seed API's dict state) falls
-    back to the process default for a missing or ``None`` knob.
-    """
-    if isinstance(state, StepState):
-        return state.options.attn_backend, state.options.kv_exchange
-    default = state_module.default_options()
-    backend, kv_exchange = state.get("attn_backend"), state.get("kv_exchange")
-    return (
-        default.attn_backend if backend is None else options.normalize_attn_backend(backend),
-        default.kv_exchange if kv_exchange is None else options.normalize_kv_exchange(kv_exchange),
-    )
-
-
-def _select_kv_exchange_path(
-    state: StepState,
-    group: dist.ProcessGroup | None,
-    doc_ids: torch.Tensor,
-    local_len: int,
-    device: torch.device,
-    offset: int,
-    query_dtype: torch.dtype | None = None,
-    dropout_p: float = 0.0,
-    window: int | None = None,
-    chunk: int | None = None,
-) -> tuple[str, KVPlan | None, str]:
-    """Decide this step's K/V path and say why (no communication: every input is replicated).
+def _exchange_path(state: StepState, device: torch.device, key: PlanKey) -> tuple[str, KVPlan | None, str]:
+    """Decide the row's K/V path for a window or chunk and say why (no communication: every input is replicated).
 
     Args:
-        state: The active step state (memoizes the plan and ``auto``'s choice).
-        group: The CP process group.
-        doc_ids: Replicated document ids ``[B, S_full]`` (0 == pad).
-        local_len: Local rows ``L``.
+        state: The row's state (memoizes the plan and ``auto``'s choice).
         device: Device of the attention inputs (picks ``auto``'s machine model).
-        offset: Global position of this rank's first local row.
-        query_dtype: Kept for the seed signature; whether the kernel can run is part of the
-            step agreement check, which makes every rank raise together when it cannot.
-        dropout_p: Kept for the seed signature (dropout never changes the path).
-        window: The calls' sliding window (``None``: full causal); each window has its own plan.
-        chunk: The calls' attention chunk size (``None``: unchunked); each chunk size has its own plan.
+        key: The calls' window or ``("chunk", C)`` (:func:`~.variant.plan_key`); each has its own plan.
 
     Returns:
         ``(path, plan, reason)``: ``path`` is ``"halo"``, ``"a2a"`` or
         ``"allgather"``; ``plan`` is the memoized :class:`KVPlan` for the
         needed-only paths (``None`` for all-gather); ``reason`` names the cause.
     """
-    del doc_ids, query_dtype, dropout_p  # the plan comes from the state's shard plan (the same ids)
-    _, kv_exchange = _resolve_cp_varlen_config(state)
-    if offset != state.row_offset:
-        raise ValueError(f"offset={offset} disagrees with the step state's row_offset={state.row_offset}")
-    if local_len != state.local_len:
-        raise ValueError(f"local_len={local_len} disagrees with the step state's local_len={state.local_len}")
-    if group_size(group) == 1:
+    kv_exchange = state.options.kv_exchange
+    if group_size(state.group) == 1:
         return "allgather", None, "cp_size=1: nothing to exchange"
     if kv_exchange == "allgather":
         return "allgather", None, "kv_exchange=allgather (configured)"
-    if _cp_group_spans_nodes(group, state.options.allow_cross_node):
+    if _cp_group_spans_nodes(state.hosts, state.options.allow_cross_node):
         return "allgather", None, "CP group spans nodes (set NEMO_CP_ALLOW_XNODE=1 to force needed-only)"
-    key = plan_key(window, chunk)
     plan = _kv_plan(state, key, device)
     if kv_exchange == "auto":
         path, reason = _auto_choice(state, plan, device, key)
@@ -236,19 +205,30 @@ def _kv_plan(state: StepState, key: PlanKey = None, device: torch.device | None 
     return _window_plan(state, key, device or state.positions.device).kv_plan()
 
 
-def _route(state: StepState, device: torch.device, window: int | None = None, chunk: int | None = None) -> Route:
-    """The K/V route of the calls of ``window`` or ``chunk`` (path, sends, where each group's keys are), built once."""
+def _route(state: StepState, device: torch.device, kernel: str | None, variant: AttentionVariant = PLAIN) -> Route:
+    """The K/V route of ``variant``'s window or chunk (path, sends, where each group's keys are), built once per row.
+
+    The path and its reason are logged once per process and window when the route is built (never per call).
+    """
+    window, chunk = variant.window, variant.chunk
 
     def choose(_: WindowPlan) -> tuple[str, KVPlan | None, str]:
-        if state.cp_size > 1:  # before any knob decides anything: every rank takes part in the (one-time) gather
-            topology.group_hosts(state.group)
-        path, plan, reason = _select_kv_exchange_path(
-            state, state.group, state.doc_ids, state.local_len, device, state.row_offset, window=window, chunk=chunk
-        )
+        path, plan, reason = _exchange_path(state, device, plan_key(window, chunk))
         if window is not None:
             reason = f"{reason} (sliding_window={window}: keys inside the window only)"
         if chunk is not None:
             reason = f"{reason} (attention_chunk_size={chunk}: keys of the query's own chunk only)"
+        log_once(
+            logger,
+            f"kv-path:{variant.plan_key}",
+            logging.INFO,
+            "block-diagonal CP: KV exchange path=%s (%s); kernel=%s; cp_size=%d local_len=%d",
+            path,
+            reason,
+            kernel,
+            state.cp_size,
+            state.local_len,
+        )
         return path, plan, reason
 
     return _window_plan(state, plan_key(window, chunk), device).route(choose)
@@ -276,6 +256,7 @@ def _kernel_for(
                 value_head_dim=value.shape[3],
                 dropout_p=dropout_p,
                 variant=variant,
+                libraries=state.libraries,
             )
             state.cache.kernel[key] = (name, None)
         except kernels.KernelUnavailableError as exc:
@@ -295,15 +276,17 @@ def _agreement_fields(
     """What every CP rank of a row must agree on: every setting, resolved kernel, path and layout, lengths, shapes.
 
     Every field of :class:`~.options.CPOptions` but the caller's cost-model hint ``attn_shape`` (its effect,
-    the resolved layout, is agreed): a new setting is agreed without touching this function.
+    the resolved layout, is agreed): a new setting is agreed without touching this function. The q/k/v
+    shapes are the call's with the row's local length (the rows of one step differ only there).
     """
     plan = state.shard_plan
     settings = {f.name: getattr(state.options, f.name) for f in dataclasses.fields(state.options)}
     del settings["attn_shape"]
+    length = state.local_len
     return {
         "cp_size": state.cp_size,
         "sequence length": plan.runs.total_len,
-        "local length": state.local_len,
+        "local length": length,
         **settings,
         "resolved kernel": kernel,
         "resolved kv path": route.path,
@@ -311,37 +294,59 @@ def _agreement_fields(
         "document layout": (plan.runs.starts, plan.runs.ends, plan.pieces),
         "attention variant": tuple(variant.features()),
         "query/key/value shapes and dtype": (
-            tuple(query.shape),
-            tuple(key.shape),
-            tuple(value.shape),
+            (*query.shape[:2], length, query.shape[3]),
+            (*key.shape[:2], length, key.shape[3]),
+            (*value.shape[:2], length, value.shape[3]),
             str(query.dtype),
         ),
     }
 
 
-def _agree_on_step(
+def _row_fields(
+    row: StepState,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout_p: float,
+    variant: AttentionVariant,
+    shape: cost.Shape,
+) -> dict[str, Any]:
+    """:func:`_agreement_fields` of ``row`` for this call's q/k/v (the row's kernel and route decided now)."""
+    if row.cache.shape is None:  # the step's rows run one model: the first call's shape is every row's
+        row.cache.shape = shape
+    kernel, unavailable = _kernel_for(row, query, value, dropout_p, variant)
+    route = _route(row, query.device, kernel, variant)
+    return _agreement_fields(row, query, key, value, kernel or f"unavailable: {unavailable}", route, variant)
+
+
+def _agree_on_rows(
     state: StepState,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    kernel: str,
-    route: Route,
+    dropout_p: float,
     variant: AttentionVariant,
 ) -> None:
-    """On the step's first call: every rank must run the same configuration on the same layout.
+    """At the optimizer step's first CP call: every rank must run the same configuration on the same rows.
 
-    One all-reduce, before any path-dependent collective, so a disagreement (a
-    rank with different options, kernel availability, exchange path, sequence
-    length, document layout or q/k/v shape) makes every rank raise the same
-    error instead of hanging in mismatched collectives. Later calls are not
-    re-checked (a rank whose shapes change mid-step while its peers' do not is
-    not detected).
+    One all-reduce for all rows of the step (``state.agreement``: ``grad_accum`` rows, or this row
+    alone), before any path-dependent collective, so a disagreement (a rank with different
+    options, kernel availability, exchange path, sequence length, document layout or q/k/v shape,
+    in any of the rows, or a different number of rows) makes every rank raise the same error
+    instead of hanging in mismatched collectives. Later calls are not re-checked: their kernel
+    and path were decided here from the same replicated inputs (a rank whose shapes change
+    mid-step while its peers' do not is not detected).
     """
-    if state.cache.agreed or state.cp_size == 1:
+    scope = state.agreement
+    if scope.agreed:
         return
-    fields = _agreement_fields(state, query, key, value, kernel, route, variant)
-    consensus.check_step_agreement(fields, state.group, query.device)
-    state.cache.agreed = True
+    if state.cp_size > 1:
+        shape = state.cache.shape or cost.Shape()
+        rows = [_row_fields(row, query, key, value, dropout_p, variant, shape) for row in scope.rows]
+        # the same field names on every rank, whatever its number of rows: a collective of one size
+        fields = rows[0] if len(rows) == 1 else {name: tuple(row[name] for row in rows) for name in rows[0]}
+        consensus.check_step_agreement({**fields, "rows agreed at once": len(rows)}, state.group, query.device)
+    scope.agreed = True
 
 
 def _run_group(
@@ -355,31 +360,15 @@ def _run_group(
     dropout_p: float,
     variant: AttentionVariant,
 ) -> torch.Tensor:
-    """Guarded kernel call on the group's rows ``query [1, Hq, n_rows, D]`` over its packed ``[1, Hkv, K, D]`` keys."""
+    """Guarded kernel call on the group's queries and packed keys/values, in the kernel's format."""
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *sinks: torch.Tensor) -> torch.Tensor:
         # the guard hands in its own (detached) sinks: their gradient flows through it
         call_variant = dataclasses.replace(variant, sinks=sinks[0]) if sinks else variant
-        return kernels.blockdiag_attention(kernel, q, k, v, group.meta, scale, dropout_p, call_variant)
+        return kernels.attend_packed(kernel, q, k, v, group.meta, scale, dropout_p, call_variant)
 
     describe = f"kernel={kernel} {group.label}"
     return consensus.guarded(attend, recorder, describe, query, key, value, *variant.tensors)
-
-
-def _query_parts(plan: WindowPlan, query: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Each group's query rows ``[1, Hq, n_g, D]`` and the padding rows, in group order.
-
-    One token-major ``split`` when every group's rows are contiguous (they then tile the
-    real rows in order; the layout orders them so): autograd fills one zero gradient for it,
-    not one per slice, and joins the groups' gradients in the model's layout.
-    """
-    n_real = plan.segments.n_real
-    if all(isinstance(group.rows, tuple) for group in plan.groups):
-        sizes = [group.rows[1] - group.rows[0] for group in plan.groups]
-        padding = query.shape[2] - n_real
-        parts = split_rows(query, [*sizes, padding] if padding else sizes)
-        return list(parts[: len(sizes)]), parts[-1] if padding else query[:, :, n_real:]
-    return [group.take_rows(query) for group in plan.groups], query[:, :, n_real:]
 
 
 def _attend(
@@ -397,10 +386,14 @@ def _attend(
 ) -> torch.Tensor:
     """Exchange K/V and attend every group; local-key groups run while the exchange is in flight.
 
+    Queries, keys and values are packed once into the kernel's format and every group's
+    output is written once into the returned tensor (:mod:`.kernel_io`).
+
     Returns:
-        ``[1, Hq, L, Dv]`` in local row order; padding rows are zero.
+        ``[1, Hq, L, Dv]`` in local row order (a view of a token-major buffer); padding rows are zero.
     """
-    local = (split_rows(key, route.local_cuts), split_rows(value, route.local_cuts))
+    layout = kernels.KERNELS[kernel].layout
+    local = (split_rows(key, route.local_cuts), split_rows(value, route.local_cuts))  # token-major (rows.py)
     op: ExchangeOp | None = None
     token = received = None
     if state.cp_size > 1:
@@ -410,25 +403,30 @@ def _attend(
         if not state.options.overlap:
             received = exchange.wait(token, op)
     remote: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None
-    queries, padding = _query_parts(plan, query)
+    rows = [group.rows for group in plan.groups]
+    queries, padding = kernel_io.query_parts(query, rows, plan.segments.n_real, layout)
     outputs = []
     for group, q, runs in zip(plan.groups, queries, route.sources):  # local group first: needs nothing received
         if not group.local and remote is None:
             received = received if received is not None else exchange.wait(token, op)
             remote = exchange.split_received(received, key, value, route.received_cuts)
-        k = exchange.assemble(key, local[0], None if remote is None else remote[0], runs)
-        v = exchange.assemble(value, local[1], None if remote is None else remote[1], runs)
+        k, v = (
+            kernel_io.pack_keys(exchange.chunks_in_order(mine, None if remote is None else remote[i], runs), layout)
+            for i, mine in enumerate(local)
+        )
         outputs.append(_run_group(group, q, k, v, kernel, recorder, scale, dropout_p, variant))
     if op is not None and received is None:
         received = exchange.wait(token, op)
-    parts = [] if received is None else [exchange.anchor_like(query.shape[1], value.shape[3], received)]
-    if padding.shape[2] or not outputs:
-        # keeps sinks in the graph on a rank with no real rows: its (zero) gradient is defined on every rank
-        outputs.append(kernels.zeros_attached(padding, *variant.tensors, width=value.shape[3]))
-    parts += outputs
-    out = cat_rows(parts)  # token-major: the model reads it back through transpose(1, 2) without a copy
-    if plan.merge_index is not None:
-        out = out.index_select(2, plan.merge_index)
+    # kept in the graph with zero gradients: the padding queries (every rank's query gets a gradient), the
+    # exchange (its backward runs on every rank, also one whose groups need nothing received) and the sinks
+    # (an empty padding slice is left out: its zero gradient would cost a query-sized zero fill and sum)
+    deps = [
+        *([padding] if padding.shape[2] or not outputs else []),
+        *([] if received is None else [exchange.anchor_like(1, 1, received)]),
+        *variant.tensors,
+    ]
+    shape = (query.shape[2], query.shape[1], value.shape[3])
+    out = kernel_io.unpack(outputs, rows, layout, query, shape, *deps)
     if op is not None:
         state.stats.exchange_wait_s += op.wait_s
         state.stats.exchange_calls += 1
@@ -453,6 +451,68 @@ def _settle_call(state: StepState, recorder: CallRecorder, direction: str, devic
         consensus.settle_step([state.failures], state.group, device)  # names every failing rank, then raises
 
 
+def attend_row(
+    state: StepState,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    variant: AttentionVariant = PLAIN,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """The core: one attention call of the packed row ``state`` (its metadata and knobs passed in, as arguments).
+
+    K/V are exchanged over the row's CP group and each local query attends the keys of its own
+    document up to itself (inside ``variant.window`` or ``variant.chunk``, with its soft-cap and sinks).
+    Reads no process-wide state: the row's build gathered the group's hosts and probed the GPU
+    libraries; the kernel, the route and the agreement are decided once per row (and call signature).
+
+    Args:
+        state: The packed row's state (``train_ctx()`` of
+            :func:`~nemo_automodel.components.distributed.blockdiag_cp.batch.make_cp_blockdiag_batch_and_ctx`).
+        query: Local queries ``[1, Hq, L, D]``.
+        key: Local keys ``[1, Hkv, L, D]`` (``Hq % Hkv == 0``).
+        value: Local values ``[1, Hkv, L, Dv]`` (``Dv`` may differ from ``D``: MLA models).
+        variant: Sliding window, attention chunk, logit soft-cap and attention sinks (plain causal by default).
+        dropout_p: Attention dropout probability.
+        scale: Softmax scale (``None``: ``D ** -0.5``).
+        enable_gqa: Must be True when ``Hq != Hkv`` (as for stock SDPA).
+
+    Returns:
+        ``[1, Hq, L, Dv]``; padding rows are zero.
+
+    Raises:
+        RuntimeError: on every rank, when the row agreement fails, or (``consensus="call"``)
+            when a kernel failed on any rank. With the default ``consensus="step"`` kernel
+            failures are raised on every rank when the row's context exits (or by the
+            recipe's step all-reduce).
+        ValueError: on every rank, when the requested kernel cannot run (or cannot
+            express the variant) on some rank; before any collective, for bad inputs.
+    """
+    kernels.validate_qkv(query, key, value, enable_gqa, state.local_len, variant)
+    call = state.stats.calls
+    state.stats.calls += 1
+    if state.options.check_finite:  # device-side flags, read once per step: no host sync per layer
+        # An fp32 sum is non-finite exactly when some element is (activations never reach 3e38), and it
+        # is one read of each tensor instead of an element-wise mask and a reduction.
+        sums = [t.detach().sum(dtype=torch.float32) for t in (query, key, value)]
+        state.cache.finite.append(torch.stack(sums).isfinite())
+    if state.cache.shape is None:
+        state.cache.shape = cost.Shape(query.shape[1], key.shape[1], query.shape[3], query.element_size())
+    kernel, unavailable = _kernel_for(state, query, value, dropout_p, variant)
+    route = _route(state, query.device, kernel, variant)
+    _agree_on_rows(state, query, key, value, dropout_p, variant)
+    if unavailable is not None:  # every rank agreed that it cannot run: all raise here, together
+        raise unavailable
+    plan = state.cache.windows[variant.plan_key]
+    recorder = CallRecorder(state.failures, call)
+    out = _attend(state, plan, route, kernel, query, key, value, scale, dropout_p, variant, recorder)
+    _record_stats(state, plan, route, kernel, key, value)
+    return out
+
+
 def cp_blockdiag_sdpa(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -466,99 +526,47 @@ def cp_blockdiag_sdpa(
     variant: AttentionVariant | None = None,
     **kwargs: Any,
 ) -> torch.Tensor:
-    """Block-diagonal context-parallel drop-in for ``scaled_dot_product_attention``.
+    """Block-diagonal CP drop-in for ``scaled_dot_product_attention``: :func:`attend_row` of the active row.
 
-    Without an active step state this is stock SDPA with every argument
-    forwarded. Inside the context of
-    :func:`~nemo_automodel.components.distributed.blockdiag_cp.batch.make_cp_blockdiag_batch_and_ctx`,
-    K/V are exchanged over the CP group and each local query attends the keys
-    of its own document up to itself (inside ``variant.window``, with its
-    soft-cap and sinks); ``attn_mask`` and ``is_causal`` are ignored.
+    The active row is the one whose ``train_ctx()`` (of
+    :func:`~nemo_automodel.components.distributed.blockdiag_cp.batch.make_cp_blockdiag_batch_and_ctx`)
+    is open, read from the thread-shared slot. Inside it, ``attn_mask`` and ``is_causal`` are ignored
+    (attention is per-document causal). Without an active row this is stock SDPA with every argument
+    forwarded (:func:`.outside.stock_sdpa`, the policy shared with ``packed_varlen_sdpa``).
 
     Args:
         query: Local queries ``[1, Hq, L, D]``.
         key: Local keys ``[1, Hkv, L, D]`` (``Hq % Hkv == 0``).
-        value: Local values ``[1, Hkv, L, Dv]`` (``Dv`` may differ from ``D``: MLA models).
-        attn_mask: Ignored on the CP path.
+        value: Local values ``[1, Hkv, L, Dv]``.
+        attn_mask: Ignored inside a row.
         dropout_p: Attention dropout probability.
-        is_causal: Ignored on the CP path (attention is always per-document causal).
+        is_causal: Ignored inside a row.
         scale: Softmax scale (``None``: ``D ** -0.5``).
         enable_gqa: Must be True when ``Hq != Hkv`` (as for stock SDPA).
-        variant: Sliding window, logit soft-cap and attention sinks
-            (:class:`~nemo_automodel.components.distributed.blockdiag_cp.variant.AttentionVariant`;
-            ``None``: plain causal). Stock SDPA cannot express them, so outside a CP
-            step a non-plain variant raises.
-        **kwargs: Forwarded to stock SDPA outside CP; inside a CP step any of them is an error.
+        variant: Sliding window, soft-cap and attention sinks (``None``: plain causal). Stock SDPA
+            cannot express them, so outside a row a non-plain variant raises.
+        **kwargs: Forwarded to stock SDPA outside a row; inside one any of them is an error.
 
     Returns:
         ``[1, Hq, L, Dv]``; padding rows are zero.
 
     Raises:
-        RuntimeError: on every rank, when the step agreement fails, or (``consensus="call"``)
-            when a kernel failed on any rank. With the default ``consensus="step"`` kernel
-            failures are raised on every rank when the step's context exits (or by the
-            recipe's step all-reduce).
-        ValueError: on every rank, when the requested kernel cannot run (or cannot
-            express the variant) on some rank; before any collective, for bad inputs.
-        TypeError: for a keyword argument the CP path cannot honour.
+        TypeError: for a keyword argument the row cannot honour.
+        ValueError / RuntimeError: as :func:`attend_row`; outside a row, for a non-plain variant.
     """
     variant = variant or PLAIN
     state = state_module.current_step_state()
     if state is None:
-        if not variant.plain:
-            raise ValueError(
-                f"cp_blockdiag_sdpa outside a CP step: {', '.join(map(variant.describe, variant.features()))} "
-                "cannot be expressed by torch's scaled_dot_product_attention; call it inside the step context "
-                "of make_cp_blockdiag_batch_and_ctx, or use the model's own (eager) attention outside training"
-            )
-        return _ORIGINAL_SDPA(
-            query,
-            key,
-            value,
-            attn_mask=attn_mask,
-            dropout_p=dropout_p,
-            is_causal=is_causal,
-            scale=scale,
-            enable_gqa=enable_gqa,
-            **kwargs,
+        remedy = (
+            "call it inside the step context of make_cp_blockdiag_batch_and_ctx, or use the model's own (eager) "
+            "attention outside training"
         )
-    if kwargs:
-        raise TypeError(
-            "cp_blockdiag_sdpa inside a CP step got keyword argument(s) it cannot honour: "
-            f"{', '.join(sorted(kwargs))}; "
-            "pass a sliding window, soft-cap or sinks as variant=AttentionVariant(...)"
-        )
-    kernels.validate_qkv(query, key, value, enable_gqa, state.local_len, variant)
-    call = state.stats.calls
-    state.stats.calls += 1
-    if state.options.check_finite:  # device-side flags, read once per step: no host sync per layer
-        # An fp32 sum is non-finite exactly when some element is (activations never reach 3e38), and it
-        # is one read of each tensor instead of an element-wise mask and a reduction.
-        sums = [t.detach().sum(dtype=torch.float32) for t in (query, key, value)]
-        state.cache.finite.append(torch.stack(sums).isfinite())
-    if state.cache.shape is None:
-        state.cache.shape = cost.Shape(query.shape[1], key.shape[1], query.shape[3], query.element_size())
-    kernel, unavailable = _kernel_for(state, query, value, dropout_p, variant)
-    route = _route(state, query.device, variant.window, variant.chunk)
-    _agree_on_step(state, query, key, value, kernel or f"unavailable: {unavailable}", route, variant)
-    if unavailable is not None:  # every rank agreed that it cannot run: all raise here, together
-        raise unavailable
-    log_once(
-        logger,
-        f"kv-path:{variant.plan_key}",
-        logging.INFO,
-        "block-diagonal CP: KV exchange path=%s (%s); kernel=%s; cp_size=%d local_len=%d",
-        route.path,
-        route.reason,
-        kernel,
-        state.cp_size,
-        state.local_len,
+        call = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, variant, kwargs)
+        return outside.stock_sdpa("cp_blockdiag_sdpa outside a CP step", remedy, *call)
+    outside.refuse_keywords("cp_blockdiag_sdpa inside a CP step", kwargs)
+    return attend_row(
+        state, query, key, value, variant=variant, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa
     )
-    plan = state.cache.windows[variant.plan_key]
-    recorder = CallRecorder(state.failures, call)
-    out = _attend(state, plan, route, kernel, query, key, value, scale, dropout_p, variant, recorder)
-    _record_stats(state, plan, route, kernel, key, value)
-    return out
 
 
 def _record_stats(
@@ -575,6 +583,17 @@ def _record_stats(
         route.received_tokens,
         plan.segments.remote_kv_tokens,
     )
+
+
+def attention_inputs_nonfinite(rows: Sequence[StepState], device: torch.device) -> torch.Tensor:
+    """Device scalar ``float64``: did any CP attention call of ``rows`` see NaN/Inf in q, k or v (no host sync).
+
+    For a caller that folds the flag into its own step all-reduce (``check_finite=True`` records it per call).
+    """
+    flags = [flag for row in rows for flag in row.cache.finite]
+    if not flags:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return (~torch.stack(flags).all()).double()
 
 
 def nonfinite_attention_inputs(state: StepState | None = None) -> list[str]:

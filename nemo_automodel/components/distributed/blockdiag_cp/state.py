@@ -19,8 +19,10 @@ from nemo_automodel.components.distributed.blockdiag_cp.options import CPOptions
 
 if TYPE_CHECKING:
     from nemo_automodel.components.distributed.blockdiag_cp.cost import Shape
+    from nemo_automodel.components.distributed.blockdiag_cp.gpu_libraries import GpuLibraries
     from nemo_automodel.components.distributed.blockdiag_cp.layout import ShardPlan
     from nemo_automodel.components.distributed.blockdiag_cp.metadata import WindowPlan
+    from nemo_automodel.components.distributed.blockdiag_cp.topology import GroupHosts
     from nemo_automodel.components.distributed.blockdiag_cp.variant import PlanKey
 
 _DEFAULT_OPTIONS = CPOptions()
@@ -32,7 +34,7 @@ def configure_cp_varlen(
     kv_exchange: str | None = None,
     layout: str | None = None,
     overlap: bool = True,
-    check_finite: bool = True,
+    check_finite: bool = False,
     consensus: str | None = None,
 ) -> None:
     """Set the process default :class:`CPOptions` for callers that pass no options to the batch builder.
@@ -47,7 +49,7 @@ def configure_cp_varlen(
         layout: ``contiguous``, ``balanced`` or ``auto`` (``None`` -> ``contiguous``).
         overlap: Compute local-key segments while the K/V exchange is in flight.
         check_finite: Record, without a host sync, whether every call's q/k/v are finite
-            (read once per step with ``nonfinite_attention_inputs``).
+            (read once per step with ``nonfinite_attention_inputs``; off by default, see :class:`CPOptions`).
         consensus: ``step`` (default) or ``call`` (see :class:`CPOptions`).
     """
     global _DEFAULT_OPTIONS
@@ -89,7 +91,6 @@ class StepCache:
 
     Attributes:
         windows: Per sliding window (``None``: full causal) or ``("chunk", C)``, this rank's :class:`WindowPlan`.
-        agreed: Whether the step-start agreement check passed.
         kernel: Per call signature, the concrete kernel, or why the requested one cannot run.
         shape: The attention shape of the first call (for the cost model).
         finite: Per CP call, a device bool ``[3]``: are q, k, v all finite (no host sync).
@@ -97,7 +98,6 @@ class StepCache:
     """
 
     windows: dict[PlanKey, WindowPlan] = field(default_factory=dict)
-    agreed: bool = False
     kernel: dict[KernelKey, tuple[str | None, Exception | None]] = field(default_factory=dict)
     shape: Shape | None = None
     finite: list[torch.Tensor] = field(default_factory=list)
@@ -155,6 +155,35 @@ class FailureLog:
 
     def __bool__(self) -> bool:
         return bool(self.forward or self.backward)
+
+
+@dataclass(eq=False)
+class StepAgreement:
+    """The packed rows of one optimizer step, agreed on by one collective (whatever ``grad_accum`` is).
+
+    The first CP attention call of any of its rows fingerprints every row (settings, lengths,
+    document layout, resolved kernel and exchange path) and runs the one agreement all-reduce;
+    the other rows' calls then agree on nothing. Every row must be built (added here) before
+    that first call, which the batch builder enforces.
+
+    Attributes:
+        rows: The step's row states, in build order (micro-batch order).
+        agreed: Whether the agreement ran.
+    """
+
+    rows: list[StepState] = field(default_factory=list)
+    agreed: bool = False
+
+    def add(self, row: StepState) -> None:
+        """Add ``row`` (same process group as the rows already added; before the agreement ran)."""
+        if self.agreed:
+            raise ValueError(
+                "agreement: this optimizer step's rows were already agreed on; build every row of the step (and "
+                "pass the same StepAgreement to each) before the first forward, or pass a new StepAgreement"
+            )
+        if self.rows and self.rows[0].group is not row.group:
+            raise ValueError("agreement: the rows of one StepAgreement must share one CP process group")
+        self.rows.append(row)
 
 
 @dataclass(frozen=True)
@@ -219,7 +248,6 @@ class StepState:
         group: The CP process group (``None`` only when ``cp_size == 1``).
         cp_rank: This rank's index in the CP group.
         cp_size: Number of CP ranks.
-        doc_ids: Replicated per-position document ids ``[B, S_full]`` in physical order (0 == pad).
         row_offset: Physical position of this rank's first local row (``cp_rank * local_len``);
             under the contiguous layout also its original position.
         local_len: Local rows per rank ``L = S_full / cp_size``.
@@ -228,6 +256,10 @@ class StepState:
         packed_cu_seqlens_cpu: The same boundaries on the host.
         positions: Original position of each local row ``[L]`` (device).
         options: The step's knobs (frozen).
+        hosts: Where the group's ranks run, gathered when the row was built (``None``: one rank; a
+            state built by hand without them is taken to run on one host).
+        libraries: The GPU libraries probed when the row was built (``None``: probed at the first call).
+        agreement: The rows agreed on together with this one (the builder adds the row to it).
         cache: Per-step memo (per-window plans and routes, agreement, kernel).
         stats: What the calls did (path, K/V received, time blocked on exchanges).
         failures: Kernel failures recorded on this rank, settled once per step.
@@ -236,7 +268,6 @@ class StepState:
     group: dist.ProcessGroup | None
     cp_rank: int
     cp_size: int
-    doc_ids: torch.Tensor
     row_offset: int
     local_len: int
     shard_plan: ShardPlan
@@ -244,6 +275,9 @@ class StepState:
     packed_cu_seqlens_cpu: torch.Tensor
     positions: torch.Tensor
     options: CPOptions = field(default_factory=CPOptions)
+    hosts: GroupHosts | None = None
+    libraries: GpuLibraries | None = None
+    agreement: StepAgreement = field(default_factory=StepAgreement)
     cache: StepCache = field(default_factory=StepCache)
     stats: StepStats = field(default_factory=StepStats)
     failures: FailureLog = field(default_factory=FailureLog)

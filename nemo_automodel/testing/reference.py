@@ -1,10 +1,12 @@
-"""Single-process float64 reference for block-diagonal causal attention."""
+"""Single-process references: float64 block-diagonal causal attention, and the packer's per-document loops."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+
+from nemo_automodel.components.datasets.formats import Document
 
 
 def blockdiag_allowed(doc_ids: torch.Tensor, window: int | None = None, chunk: int | None = None) -> torch.Tensor:
@@ -107,6 +109,21 @@ def segments_reference(
         pieces.append(torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ vs)
     out = torch.cat(pieces, dim=1)  # [Hq, n_real, Dv]
     return torch.nn.functional.pad(out, (0, 0, 0, meta.local_len - meta.n_real))[None]
+
+
+def fit_to_row_reference(documents: list[Any], seq_len: int, long_documents: str) -> list[Any]:
+    """The packer's original per-document fit (the oracle of ``packing.fit_to_row`` over flat arrays): empty
+    documents dropped, longer ones ``split`` into ``seq_len`` chunks or ``truncate``d; each a ``Document``."""
+    fitted = []
+    for doc in documents:
+        targets = [True] * len(doc.ids) if doc.targets is None else list(doc.targets)
+        stops = [seq_len] if long_documents == "truncate" else range(seq_len, len(doc.ids) + seq_len, seq_len)
+        start = 0
+        for stop in stops:
+            if doc.ids[start:stop]:
+                fitted.append(Document(list(doc.ids[start:stop]), targets[start:stop]))
+            start = stop
+    return fitted
 
 
 def fill_rows_reference(docs: list[Any], rows: list[list[int]], seq_len: int, pad_id: int) -> tuple[torch.Tensor, ...]:
