@@ -40,7 +40,7 @@ from nemo_automodel.components.distributed.blockdiag_cp.layout import ShardPlan
 from nemo_automodel.components.distributed.blockdiag_cp.rows import cat_rows
 
 # (owner rank, start inside the owner's local chunk, length)
-Piece = tuple[int, int, int]
+OwnedPiece = tuple[int, int, int]
 # (start inside a local chunk, length)
 Span = tuple[int, int]
 
@@ -69,7 +69,7 @@ class KVPlan:
 
     world: int
     local_len: int
-    pieces: tuple[tuple[Piece, ...], ...]
+    pieces: tuple[tuple[OwnedPiece, ...], ...]
 
     @cached_property
     def _spans(self) -> dict[tuple[int, int], list[Span]]:
@@ -103,9 +103,9 @@ class KVPlan:
         return all(src == dst - 1 for dst, src in self._spans)
 
 
-def _split_by_owner(start: int, end: int, local_len: int) -> list[Piece]:
+def _split_by_owner(start: int, end: int, local_len: int) -> list[OwnedPiece]:
     """Cut the physical range ``[start, end)`` at chunk boundaries."""
-    out: list[Piece] = []
+    out: list[OwnedPiece] = []
     while start < end:
         owner = start // local_len
         stop = min(end, (owner + 1) * local_len)
@@ -369,7 +369,7 @@ class Route:
     into chunks; a group's packed keys are a concatenation of whole chunks.
 
     Attributes:
-        path: ``allgather``, ``halo`` or ``a2a``.
+        path: ``allgather``, ``halo``, ``a2a`` or ``ulysses`` (no K/V route: :mod:`.ulysses` moves heads).
         reason: Why this path.
         plan: The replicated needed-only plan (``None`` for ``allgather``).
         local_cuts: Chunk sizes of the local ``L`` rows.
@@ -471,6 +471,8 @@ def make_route(
     local_len: int,
 ) -> Route:
     """Everything the layers of a step need to exchange and assemble keys along ``path`` (host work, once)."""
+    if path == "ulysses":  # heads travel, not keys (ulysses.py): every local chunk stays whole
+        return Route(path, reason, None, (local_len,), (), (), (), (0,) * world, (0,) * world, 0)
     if path != "allgather" and plan is None:
         raise ValueError(f"kv_exchange path {path!r} needs an exchange plan")
     sources = [key_sources(ranges, path, rank, local_len, plan) for ranges in group_ranges]
@@ -524,7 +526,7 @@ def send_buffer(
             picked = min(pieces, key=lambda c: c.shape[2])[:, :, :0]  # its zero gradient: the smallest chunk's
         else:
             picked = cat_rows([pieces[i] for i in send])
-        parts.append(picked[0].transpose(0, 1))  # [T, Hkv, D]: a view; models usually hold this layout already
+        parts.append(picked.squeeze(0).transpose(0, 1))  # [T, Hkv, D]: a view (also in backward: no select)
     if key.shape[3] == value.shape[3]:
         return torch.cat(parts, dim=1).flatten(1)
     return torch.cat([t.flatten(1) for t in parts], dim=1)
