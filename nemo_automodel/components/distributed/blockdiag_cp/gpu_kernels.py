@@ -200,7 +200,7 @@ def _first(result: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class Piece:
+class BoundaryPiece:
     """A run of consecutive segments attended by one call.
 
     Attributes:
@@ -218,20 +218,22 @@ class Piece:
     max_len: int
 
 
-def boundary_pieces(meta: VarlenMeta) -> list[Piece]:
+def boundary_pieces(meta: VarlenMeta) -> list[BoundaryPiece]:
     """Split a group into its straddling segments (one piece each) and runs of square segments.
 
     Host-only: built from ``meta.q_lens``/``k_lens``, no device access.
     """
-    pieces: list[Piece] = []
+    pieces: list[BoundaryPiece] = []
     for i, (q0, q_len, k0, k_len) in enumerate(meta.segments()):
         straddles = k_len > q_len
         last = pieces[-1] if pieces else None
         if last is not None and not straddles and not last.straddles:
-            merged = Piece(last.first, i + 1, False, (last.q[0], q0 + q_len), (last.k[0], k0 + k_len), last.max_len)
+            merged = BoundaryPiece(
+                last.first, i + 1, False, (last.q[0], q0 + q_len), (last.k[0], k0 + k_len), last.max_len
+            )
             pieces[-1] = replace(merged, max_len=max(last.max_len, q_len))
         else:
-            pieces.append(Piece(i, i + 1, straddles, (q0, q0 + q_len), (k0, k0 + k_len), k_len))
+            pieces.append(BoundaryPiece(i, i + 1, straddles, (q0, q0 + q_len), (k0, k0 + k_len), k_len))
     return pieces
 
 
@@ -272,7 +274,7 @@ def boundary_guarded(
     return tuple(outs)
 
 
-def guarded_pieces(meta: VarlenMeta) -> tuple[tuple[Piece, torch.Tensor | None], ...]:
+def guarded_pieces(meta: VarlenMeta) -> tuple[tuple[BoundaryPiece, torch.Tensor | None], ...]:
     """:func:`boundary_pieces` with each square run's ``cu_seqlens`` (a device slice), built once per metadata."""
     found = meta._derived.get("guarded_pieces")
     if found is None:
@@ -372,13 +374,13 @@ class _LseCall:
     window: tuple[int, int]
     softcap: float
 
-    def pieces(self) -> tuple[tuple[Piece, tuple[torch.Tensor, torch.Tensor, int, int] | None], ...]:
+    def pieces(self) -> tuple[tuple[BoundaryPiece, tuple[torch.Tensor, torch.Tensor, int, int] | None], ...]:
         """Each piece of :func:`guarded_pieces` with its varlen ``seqlens`` (``None``: a straddling segment, one
         fixed-length call); a group without a straddling segment is one varlen piece."""
         meta = self.meta
         pieces = guarded_pieces(meta)
         if not any(p.straddles for p, _ in pieces):
-            whole = Piece(0, len(meta.q_lens), False, (0, meta.n_real), (0, meta.kv_len), meta.max_k)
+            whole = BoundaryPiece(0, len(meta.q_lens), False, (0, meta.n_real), (0, meta.kv_len), meta.max_k)
             return ((whole, (meta.cu_q, meta.cu_k, meta.max_q, meta.max_k)),)
         return tuple((p, None if cu is None else (cu, cu, p.max_len, p.max_len)) for p, cu in pieces)
 
