@@ -249,6 +249,8 @@ def _exchange_problems(
     """Path, K/V received and reported lower bound of one window's (or chunk's) calls against brute force."""
     label = f"{case.label} window={window} chunk={chunk}"
     paths = {s["path"] for s in stats}
+    if paths == {"ulysses"} and case.kv_exchange in ("ulysses", "auto"):
+        return _ulysses_problems(case, stats, positions, window, chunk, label)
     requested = case.kv_exchange
     if requested == "auto":  # the cost model may pick any path that can deliver the keys; check that one
         requested = next(iter(paths)) if len(paths) == 1 else "a2a"
@@ -259,6 +261,29 @@ def _exchange_problems(
     received = [s["kv_tokens_received"] for s in stats]
     if received != want_received:
         problems.append(f"{label}: received {received}, expected {want_received}")
+    bound = expected_exchange(case.doc_ids, positions, "a2a", window, chunk)[1]
+    reported = [s["kv_tokens_lower_bound"] for s in stats]
+    if reported != bound:
+        problems.append(f"{label}: reported lower bound {reported}, expected {bound}")
+    return problems
+
+
+def _ulysses_problems(
+    case: Case,
+    stats: list[dict[str, Any]],
+    positions: list[list[int]],
+    window: int | None,
+    chunk: int | None,
+    label: str,
+) -> list[str]:
+    """Head-parallel calls: every rank with a query head (ranks ``r < Hq``: near-equal contiguous head ranges)
+    receives the other ranks' rows; the reported lower bound is still the needed-only one."""
+    cp, local = len(positions), len(positions[0])
+    want = [(cp - 1) * local if r < case.heads[0] else 0 for r in range(cp)]
+    problems = []
+    received = [s["kv_tokens_received"] for s in stats]
+    if received != want:
+        problems.append(f"{label}: ulysses received {received}, expected {want}")
     bound = expected_exchange(case.doc_ids, positions, "a2a", window, chunk)[1]
     reported = [s["kv_tokens_lower_bound"] for s in stats]
     if reported != bound:

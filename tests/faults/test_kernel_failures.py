@@ -48,6 +48,16 @@ def test_random_kernel_failures_make_every_rank_raise_naming_the_rank(pools, cp)
         figures.record(f"kernel {trial.fault.label} (cp 2-4)", [_time_to_failure(trial, outcomes)])
 
 
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_kernel_failures_inside_a_ulysses_step_make_every_rank_raise(pools, cp):
+    """Head-parallel CP: the failing rank's zeros travel through both all-to-alls, and every rank raises."""
+    trials = kernel_fault_trials(cp, 8, seed=50 + cp, exchanges=("ulysses",))
+    per_rank = pools.get(cp).run_ok(run_trials, trials, timeout=240)  # a hang fails here (HangError)
+    results = [[outcomes[i] for outcomes in per_rank] for i in range(len(trials))]
+    problems = [p for trial, outcomes in zip(trials, results) for p in _problems(trial, outcomes)]
+    assert not problems, "\n".join(problems)
+
+
 def test_a_clean_trial_passes_the_same_checks_only_because_nothing_failed(pools):
     """The judge is not vacuous: the same trial without a fault raises nothing and runs every kernel."""
     trial = kernel_fault_trials(2, 1, seed=99)[0]

@@ -83,8 +83,8 @@ def ranks_with_tokens(doc_ids: torch.Tensor, cp: int, layout: str) -> list[int]:
     return [r for r, pieces in enumerate(plan.pieces) if pieces]
 
 
-def kernel_fault_trials(cp: int, count: int, seed: int) -> list[Trial]:
-    """``count`` trials cycling through every exchange x fault type, the rest random.
+def kernel_fault_trials(cp: int, count: int, seed: int, exchanges: tuple[str, ...] = EXCHANGES) -> list[Trial]:
+    """``count`` trials cycling through every exchange of ``exchanges`` x fault type, the rest random.
 
     Random: layout (contiguous/balanced), documents, padding tail, kernel
     (sdpa_varlen/dense), depth (2-4 layers), failing rank (one holding tokens), failing layer.
@@ -92,8 +92,8 @@ def kernel_fault_trials(cp: int, count: int, seed: int) -> list[Trial]:
     rng = random.Random(seed)
     trials = []
     for i in range(count):
-        exchange = EXCHANGES[i % len(EXCHANGES)]
-        phase, kind = FAULT_TYPES[(i // len(EXCHANGES)) % len(FAULT_TYPES)]
+        exchange = exchanges[i % len(exchanges)]
+        phase, kind = FAULT_TYPES[(i // len(exchanges)) % len(FAULT_TYPES)]
         layout = rng.choice(["contiguous", "balanced"])
         total = cp * LOCAL
         real = total - rng.randint(0, LOCAL - 1)

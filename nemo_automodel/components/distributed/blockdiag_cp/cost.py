@@ -8,8 +8,13 @@ Per rank and per training step of one attention layer (forward + backward):
 - compute = attention work (query-key pairs) x heads x head_dim x ``seconds_per_pair_dim``;
 - exchange = messages x ``latency_s`` + bytes x 1 / ``bytes_per_s``, twice (the
   backward mirrors the forward): ``allgather`` is a ring of ``cp - 1`` steps of ``L``
-  tokens; ``halo`` one message each way; ``a2a`` one message per peer;
-- exposed exchange = what the local-key segments' compute cannot hide (overlap);
+  tokens; ``halo`` one message each way; ``a2a`` one message per peer; ``ulysses``
+  two all-to-alls with every peer (q/k/v of the peer's heads, then the output of this
+  rank's heads), whose bytes depend on the heads, not on the document lengths;
+- exposed exchange = what the local-key segments' compute cannot hide (overlap; under
+  ``ulysses`` all of it: every kernel needs the received rows);
+- ``ulysses`` compute = the whole row's attention work x this rank's query heads
+  (balanced by construction, whatever the layout);
 - step = max over ranks of compute + exposed exchange (the slowest rank sets the pace).
 """
 
@@ -20,9 +25,12 @@ from dataclasses import dataclass
 import torch
 
 from nemo_automodel.components.distributed.blockdiag_cp.exchange import KVPlan, compute_kv_plan
+from nemo_automodel.components.distributed.blockdiag_cp.heads import split_heads
 from nemo_automodel.components.distributed.blockdiag_cp.layout import LAYOUTS, DocRuns, ShardPlan, make_shard_plan
 
-PATHS = ("allgather", "halo", "a2a")
+PATHS = ("allgather", "halo", "a2a", "ulysses")
+# Ties prefer needed-only (the least memory), then ulysses (the row for a share of the heads), then all-gather.
+_PREFERENCE = {"halo": 0, "a2a": 1, "ulysses": 2, "allgather": 3}
 
 
 @dataclass(frozen=True)
@@ -85,7 +93,11 @@ class Shape:
 
 @dataclass(frozen=True)
 class PathCost:
-    """Predicted cost of one exchange path; per-rank lists are indexed by CP rank."""
+    """Predicted cost of one exchange path; per-rank lists are indexed by CP rank.
+
+    ``recv_tokens`` are K/V rows received (under ``ulysses``: rows for the rank's heads only);
+    ``recv_bytes`` everything one forward receives (under ``ulysses``: q/k/v and the output).
+    """
 
     path: str
     recv_tokens: tuple[int, ...]
@@ -93,6 +105,7 @@ class PathCost:
     compute_s: tuple[float, ...]
     exchange_s: tuple[float, ...]
     exposed_s: tuple[float, ...]
+    recv_bytes: tuple[int, ...] = ()
 
     @property
     def step_s(self) -> float:
@@ -131,6 +144,8 @@ def predict(
     ``kv`` must be the plan of ``window`` (``None``: full causal); a window
     shrinks both the needed keys and the (query, key) pairs scored.
     """
+    if path == "ulysses":
+        return _predict_ulysses(shard, shape, machine, window)
     recv, msgs, compute, exchange, exposed = [], [], [], [], []
     per_pair = shape.heads * shape.head_dim * machine.seconds_per_pair_dim
     for rank, seg in enumerate(shard.windowed_segments(window)):
@@ -144,12 +159,31 @@ def predict(
         compute.append(seg.attention_work * per_pair)
         exchange.append(2 * one_way)
         exposed.append(max(0.0, 2 * one_way - hidden_by))
-    return PathCost(path, tuple(recv), tuple(msgs), tuple(compute), tuple(exchange), tuple(exposed))
+    received = tuple(n * shape.kv_bytes_per_token for n in recv)
+    return PathCost(path, tuple(recv), tuple(msgs), tuple(compute), tuple(exchange), tuple(exposed), received)
+
+
+def _predict_ulysses(shard: ShardPlan, shape: Shape, machine: Machine, window: int | None) -> PathCost:
+    """Head-parallel CP: each rank attends the whole row for its heads; both all-to-alls are exposed."""
+    split = split_heads(shape.heads, shape.kv_heads, shard.cp)
+    pairs = sum(seg.attention_work for seg in shard.windowed_segments(window))
+    recv, received, msgs, compute, exchange = [], [], [], [], []
+    for rank in range(shard.cp):
+        moved = split.all_to_all_elements(rank, shard.local_len, shape.head_dim, shape.head_dim)
+        busiest = sum(max(sent, received) for sent, received in moved)
+        one_way = split.forward_messages * machine.latency_s + busiest * shape.elem_bytes / machine.bytes_per_s
+        recv.append((shard.cp - 1) * shard.local_len if split.kv[rank] else 0)
+        received.append(sum(r for _, r in moved) * shape.elem_bytes)
+        msgs.append(split.forward_messages)
+        compute.append(pairs * split.n_query(rank) * shape.head_dim * machine.seconds_per_pair_dim)
+        exchange.append(2 * one_way)
+    costs = (tuple(compute), tuple(exchange), tuple(exchange))
+    return PathCost("ulysses", tuple(recv), tuple(msgs), *costs, tuple(received))
 
 
 def candidate_paths(kv: KVPlan) -> tuple[str, ...]:
-    """Paths that can deliver ``kv``'s keys (``halo`` only when every rank needs its left neighbour alone)."""
-    return PATHS if kv.use_halo else ("allgather", "a2a")
+    """Paths that can run the row (``halo`` only when every rank needs its left neighbour alone)."""
+    return PATHS if kv.use_halo else ("allgather", "a2a", "ulysses")
 
 
 def choose(
@@ -166,8 +200,7 @@ def choose(
         ``(path, reason, costs)``; ties prefer needed-only paths (less memory).
     """
     costs = [predict(p, shard, kv, shape, machine, overlap, window) for p in candidate_paths(kv)]
-    preference = {"halo": 0, "a2a": 1, "allgather": 2}
-    best = min(costs, key=lambda c: (round(c.step_s, 12), preference[c.path]))
+    best = min(costs, key=lambda c: (round(c.step_s, 12), _PREFERENCE[c.path]))
     others = ", ".join(f"{c.path} {c.step_s * 1e3:.3g} ms" for c in costs if c is not best)
     reason = f"kv_exchange=auto: {best.path} predicted {best.step_s * 1e3:.3g} ms per layer step ({others})"
     return best.path, reason, costs
@@ -179,12 +212,14 @@ def choose_layout(runs: DocRuns, cp: int, shape: Shape, machine: Machine, overla
     Both candidate plans are pure functions of the replicated document ids, so
     every rank picks the same one. Ties keep ``contiguous`` (no permutation).
     The layout is fixed before the model runs, so it is judged on full-causal
-    layers; sliding-window layers then pick their own exchange path.
+    layers; sliding-window layers then pick their own exchange path. Only the
+    sequence-split paths judge it: ``ulysses`` attends whole rows whatever the layout.
     """
     best: tuple[float, ShardPlan] | None = None
     for layout in LAYOUTS:
         shard = make_shard_plan(runs, cp, layout)
-        step = min(c.step_s for c in choose(shard, compute_kv_plan(shard), shape, machine, overlap)[2])
+        costs = choose(shard, compute_kv_plan(shard), shape, machine, overlap)[2]
+        step = min(c.step_s for c in costs if c.path != "ulysses")
         if best is None or step < best[0] * (1 - 1e-9):
             best = (step, shard)
     assert best is not None

@@ -368,7 +368,7 @@ class Route:
     into chunks; a group's packed keys are a concatenation of whole chunks.
 
     Attributes:
-        path: ``allgather``, ``halo`` or ``a2a``.
+        path: ``allgather``, ``halo``, ``a2a`` or ``ulysses`` (no K/V route: :mod:`.ulysses` moves heads).
         reason: Why this path.
         plan: The replicated needed-only plan (``None`` for ``allgather``).
         local_cuts: Chunk sizes of the local ``L`` rows.
@@ -470,6 +470,8 @@ def make_route(
     local_len: int,
 ) -> Route:
     """Everything the layers of a step need to exchange and assemble keys along ``path`` (host work, once)."""
+    if path == "ulysses":  # heads travel, not keys (ulysses.py): every local chunk stays whole
+        return Route(path, reason, None, (local_len,), (), (), (), (0,) * world, (0,) * world, 0)
     if path != "allgather" and plan is None:
         raise ValueError(f"kv_exchange path {path!r} needs an exchange plan")
     sources = [key_sources(ranges, path, rank, local_len, plan) for ranges in group_ranges]
@@ -523,7 +525,7 @@ def send_buffer(
             picked = whole[:, :, :0]
         else:
             picked = pieces[send[0]] if len(send) == 1 else torch.cat([pieces[i] for i in send], dim=2)
-        parts.append(picked[0].transpose(0, 1))  # [T, Hkv, D]: a view; models usually hold this layout already
+        parts.append(picked.squeeze(0).transpose(0, 1))  # [T, Hkv, D]: a view (also in backward: no select)
     if key.shape[3] == value.shape[3]:
         return torch.cat(parts, dim=1).flatten(1)
     return torch.cat([t.flatten(1) for t in parts], dim=1)
@@ -536,8 +538,10 @@ def split_received(
     heads, key_dim = key.shape[1], key.shape[3]
     keys = received[:, : heads * key_dim].unflatten(1, (heads, key_dim))
     values = received[:, heads * key_dim :].unflatten(1, (heads, value.shape[3]))
-    key_chunks = tuple(c.unsqueeze(0) for c in keys.transpose(0, 1).split(cuts, dim=1))
-    value_chunks = tuple(c.unsqueeze(0) for c in values.transpose(0, 1).split(cuts, dim=1))
+    # split token-major, as received: the gradient's one copy (the split's backward) is then already in the
+    # received rows' layout, not one more after a head-major concatenation
+    key_chunks = tuple(c.transpose(0, 1).unsqueeze(0) for c in keys.split(cuts, dim=0))
+    value_chunks = tuple(c.transpose(0, 1).unsqueeze(0) for c in values.split(cuts, dim=0))
     return key_chunks, value_chunks
 
 

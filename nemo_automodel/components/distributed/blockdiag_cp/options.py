@@ -18,7 +18,7 @@ from typing import Any, Literal
 from nemo_automodel.components.distributed.blockdiag_cp.cost import Shape
 
 AttnBackend = Literal["auto", "fa3", "flash", "te", "torch_varlen", "sdpa_varlen", "dense"]
-KVExchange = Literal["auto", "allgather", "halo", "a2a"]
+KVExchange = Literal["auto", "allgather", "halo", "a2a", "ulysses"]
 Layout = Literal["auto", "contiguous", "balanced"]
 Consensus = Literal["step", "call"]
 
@@ -80,7 +80,9 @@ class CPOptions:
             run raises, it is never replaced.
         kv_exchange: How keys reach other ranks: ``halo`` (needed-only from the left neighbour,
             upgraded to ``a2a`` when some rank needs keys from further left), ``a2a``
-            (needed-only all-to-all-v), ``allgather``, or ``auto`` (the cost model picks per row).
+            (needed-only all-to-all-v), ``allgather``, ``ulysses`` (head-parallel: an all-to-all
+            gives each rank the whole row for a subset of heads, a second one returns the output;
+            TransformerEngine calls this ``a2a``) or ``auto`` (the cost model picks per row).
         layout: How tokens are placed on ranks: ``contiguous`` (rank ``r`` holds rows
             ``[r L, (r+1) L)``), ``balanced`` (documents reordered, a few cut zig-zag, so every
             rank does the same attention work) or ``auto`` (the cost model picks per row).

@@ -18,7 +18,8 @@ recipe's own packed rows: the same reading, formatting
 packing algorithm and seed), so the plan describes the rows the recipe would train on.
 
 Figures per layout and exchange (per CP rank, one attention layer, forward + backward):
-K/V tokens and bytes received (max and mean over ranks), the lower bound
+K/V tokens and bytes received (max and mean over ranks; ``ulysses``: K/V rows for the
+rank's heads, and every byte of its two all-to-alls, q/k/v and the output), the lower bound
 (needed keys living on other ranks), the balance (max/mean attention work) and
 the predicted step time relative to the best combination. ``--window W`` plans
 sliding-window layers (transformers' ``sliding_window``): a rank then needs, and
@@ -94,7 +95,7 @@ def plan_rows(
                     balance=work_balance,
                     recv_max=max(c.recv_tokens),
                     recv_mean=statistics.fmean(c.recv_tokens),
-                    bytes_max=max(c.recv_tokens) * shape.kv_bytes_per_token,
+                    bytes_max=max(c.recv_bytes),
                     bound_max=max(bounds),
                     bound_mean=statistics.fmean(bounds),
                     step_s=c.step_s,

@@ -39,6 +39,7 @@ from nemo_automodel.components.distributed.blockdiag_cp import (
     kernel_io,
     kernels,
     outside,
+    ulysses,
 )
 from nemo_automodel.components.distributed.blockdiag_cp import state as state_module
 from nemo_automodel.components.distributed.blockdiag_cp.consensus import CallRecorder, group_size
@@ -65,7 +66,9 @@ def exchange_stats(state: RowState | None = None) -> dict[str, Any] | None:
         (the lower bound: the needed keys held by other ranks, inside the window); ``"chunks"``:
         the same per attention chunk size ``C`` (lower bound: keys of each query's own chunk); plus the
         step's time blocked on exchanges: ``exchange_wait_s`` (forward),
-        ``exchange_backward_wait_s`` and ``exchange_calls``.
+        ``exchange_backward_wait_s`` and ``exchange_calls``; ``"ulysses"`` (``kv_exchange="ulysses"`` only, else
+        ``None``): this rank's ``query_heads`` ``[start, stop)``, ``kv_heads`` and the ``bytes_sent`` /
+        ``bytes_received`` of one forward (both all-to-alls; the backward moves as much the other way).
     """
     state = state or state_module.last_row_state()
     if state is None or state.stats.path is None:
@@ -90,6 +93,7 @@ def exchange_stats(state: RowState | None = None) -> dict[str, Any] | None:
         "exchange_wait_s": stats.exchange_wait_s,
         "exchange_backward_wait_s": stats.exchange_backward_wait_s,
         "exchange_calls": stats.exchange_calls,
+        "ulysses": stats.ulysses,
     }
 
 
@@ -153,21 +157,23 @@ def _exchange_path(state: RowState, device: torch.device, key: PlanKey) -> tuple
         key: The calls' window or ``("chunk", C)`` (:func:`~.variant.plan_key`); each has its own plan.
 
     Returns:
-        ``(path, kv_plan, reason)``: ``path`` is ``"halo"``, ``"a2a"`` or
-        ``"allgather"``; ``plan`` is the memoized :class:`KVPlan` for the
-        needed-only paths (``None`` for all-gather); ``reason`` names the cause.
+        ``(path, kv_plan, reason)``: ``path`` is ``"halo"``, ``"a2a"``, ``"allgather"`` or
+        ``"ulysses"``; ``kv_plan`` is the memoized :class:`KVPlan` for the
+        needed-only paths (``None`` for all-gather and ulysses); ``reason`` names the cause.
     """
     kv_exchange = state.options.kv_exchange
     if group_size(state.group) == 1:
         return "allgather", None, "cp_size=1: nothing to exchange"
     if kv_exchange == "allgather":
         return "allgather", None, "kv_exchange=allgather (configured)"
+    if kv_exchange == "ulysses":  # a collective like all-gather: kept across nodes, as asked
+        return "ulysses", None, "kv_exchange=ulysses (configured): heads travel, not keys"
     if _cp_group_spans_nodes(state.hosts, state.options.allow_cross_node):
         return "allgather", None, "CP group spans nodes (set NEMO_CP_ALLOW_XNODE=1 to force needed-only)"
     kv_plan = _kv_plan(state, key, device)
     if kv_exchange == "auto":
         path, reason = _auto_choice(state, kv_plan, device, key)
-        return path, None if path == "allgather" else kv_plan, reason
+        return path, kv_plan if path in ("halo", "a2a") else None, reason
     if kv_exchange == "a2a":
         return "a2a", kv_plan, "kv_exchange=a2a (configured)"
     if kv_plan.use_halo:
@@ -392,7 +398,7 @@ def _attend(
         ``[1, Hq, L, Dv]`` in local row order (a view of a token-major buffer); padding rows are zero.
     """
     layout = kernels.KERNELS[kernel].layout
-    local = (key.split(route.local_cuts, dim=2), value.split(route.local_cuts, dim=2))
+    local = (kernel_io.chunks(key, route.local_cuts), kernel_io.chunks(value, route.local_cuts))
     op: ExchangeOp | None = None
     token = received = None
     if state.cp_size > 1:
@@ -502,8 +508,34 @@ def attend_row(
         raise unavailable
     window_plan = state.cache.windows[variant.plan_key]
     recorder = CallRecorder(state.failures, call)
-    out = _attend(state, window_plan, route, kernel, query, key, value, scale, dropout_p, variant, recorder)
+    if route.path == "ulysses":
+        out = _attend_heads(state, kernel, query, key, value, scale, dropout_p, variant, recorder)
+    else:
+        out = _attend(state, window_plan, route, kernel, query, key, value, scale, dropout_p, variant, recorder)
     _record_stats(state, window_plan, route, kernel, key, value)
+    if route.path == "ulysses":
+        heads = ulysses.row_plan(state, query, key, variant)
+        ulysses.record_stats(state, heads, variant.plan_key, query.shape[3], value.shape[3], query.element_size())
+    return out
+
+
+def _attend_heads(
+    state: RowState,
+    kernel: str,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float | None,
+    dropout_p: float,
+    variant: AttentionVariant,
+    recorder: CallRecorder,
+) -> torch.Tensor:
+    """``kv_exchange="ulysses"`` (:mod:`.ulysses`), with the per-call consensus and accounting of the key exchanges."""
+    device = query.device
+    after_backward = functools.partial(_after_backward, state, recorder, device)
+    out = ulysses.attend(state, kernel, query, key, value, scale, dropout_p, variant, recorder, after_backward)
+    if state.options.consensus == "call":
+        _settle_call(state, recorder, "forward", device)
     return out
 
 

@@ -20,6 +20,7 @@ from nemo_automodel.components.distributed.blockdiag_cp.options import CPOptions
 if TYPE_CHECKING:
     from nemo_automodel.components.distributed.blockdiag_cp.cost import Shape
     from nemo_automodel.components.distributed.blockdiag_cp.gpu_libraries import GpuLibraries
+    from nemo_automodel.components.distributed.blockdiag_cp.heads import RowPlan
     from nemo_automodel.components.distributed.blockdiag_cp.layout import ShardPlan
     from nemo_automodel.components.distributed.blockdiag_cp.metadata import WindowPlan
     from nemo_automodel.components.distributed.blockdiag_cp.topology import GroupHosts
@@ -95,6 +96,7 @@ class RowCache:
         shape: The attention shape of the first call (for the cost model).
         finite: Per CP call, a device bool ``[3]``: are q, k, v all finite (no host sync).
         preflight: Answers of the seed's ``compat._needed_only_preflight`` (its collective runs once per key).
+        ulysses: Per (window or chunk, Hq, Hkv), the head-parallel plan of ``kv_exchange="ulysses"``.
     """
 
     windows: dict[PlanKey, WindowPlan] = field(default_factory=dict)
@@ -102,6 +104,7 @@ class RowCache:
     shape: Shape | None = None
     finite: list[torch.Tensor] = field(default_factory=list)
     preflight: dict[tuple[str, str, str, int, int], tuple[bool, str | None]] = field(default_factory=dict)
+    ulysses: dict[tuple[PlanKey, int, int], RowPlan] = field(default_factory=dict)
 
 
 @dataclass
@@ -118,6 +121,7 @@ class RowStats:
             ``(path, K/V tokens received, lower bound)`` of one of its calls.
         exchange_wait_s / exchange_backward_wait_s: Seconds blocked on the exchange, forward / backward.
         exchange_calls: Exchanges posted.
+        ulysses: Head-parallel calls only: this rank's heads and the bytes one forward sent and received.
     """
 
     calls: int = 0
@@ -130,6 +134,7 @@ class RowStats:
     exchange_wait_s: float = 0.0
     exchange_backward_wait_s: float = 0.0
     exchange_calls: int = 0
+    ulysses: dict[str, Any] | None = None
 
 
 @dataclass
