@@ -20,24 +20,23 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
 from nemo_automodel.components.distributed.blockdiag_cp import (
+    AttentionVariant,
     consensus,
     cp_blockdiag_sdpa,
     make_cp_blockdiag_batch_and_ctx,
     runtime,
 )
+from nemo_automodel.testing.dist import init_gloo, run_ranks
 
 
 @dataclass(frozen=True)
@@ -88,11 +87,12 @@ def _measure(work: Workload) -> dict[str, float]:
     k.requires_grad_(), v.requires_grad_()
     with ctx() as state:
         route = runtime._route(state, q.device)
-        kernel = runtime._kernel_for(state, q, 0.0)[0]
+        plain = AttentionVariant()
+        kernel = runtime._kernel_for(state, q, v, 0.0, plain)[0]
 
         def agreement() -> None:
             state.cache.agreed = False
-            runtime._agree_on_step(state, q, k, v, kernel, route)
+            runtime._agree_on_step(state, q, k, v, kernel, route, plain)
 
         def fingerprints() -> None:
             for value in runtime._agreement_fields(state, q, k, v, kernel, route).values():
@@ -109,14 +109,10 @@ def _measure(work: Workload) -> dict[str, float]:
         }
 
 
-def _worker(rank: int, world: int, port: int, names: list[str], out: Any) -> None:
+def _worker(rank: int, port: int, world: int, names: list[str], out: Any) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}", timeout=timedelta(seconds=600)
-    )
-    results = {name: _measure(WORKLOADS[name]) for name in names}
-    if rank == 0:
-        out.put(results)
+    init_gloo(rank, world, port)
+    out.put((rank, {name: _measure(WORKLOADS[name]) for name in names}))
     dist.destroy_process_group()
 
 
@@ -125,12 +121,7 @@ def main() -> None:
     parser.add_argument("--cp", type=int, default=2)
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_worker, args=(args.cp, port, args.workloads, queue), nprocs=args.cp, start_method="spawn")
-    results = queue.get()
+    results = min(run_ranks(_worker, args.cp, args.cp, args.workloads))[1]  # rank 0's
     print(f"cp={args.cp}, gloo on {os.cpu_count()} CPU cores, fp32; medians, slowest rank")
     print(f"{'workload':<16}{'agreement us':>14}{'fingerprints us':>17}{'layer fwd+bwd ms':>18}{'agreement/layer':>17}")
     for name, r in results.items():

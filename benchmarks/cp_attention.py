@@ -33,45 +33,32 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
-import random
 import resource
 import statistics
 import time
 import warnings
 from dataclasses import asdict, dataclass, replace
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
 from nemo_automodel.components.distributed.blockdiag_cp import (
     AttentionVariant,
     configure_cp_varlen,
-    cp_blockdiag_sdpa,
     exchange,
     exchange_stats,
     make_cp_blockdiag_batch_and_ctx,
 )
 from nemo_automodel.components.distributed.blockdiag_cp.layout import balance, doc_runs_from_lengths, make_shard_plan
 from nemo_automodel.components.distributed.blockdiag_cp.runtime import reset_exchange_stats
-from nemo_automodel.components.launcher.local import free_port
+from nemo_automodel.testing.dist import init_gloo, run_ranks
+from nemo_automodel.testing.workloads import AttentionBlock, sft_mix
 
 BASELINE = ("contiguous", "allgather", "dense")
 UPSTREAM = ("contiguous", "allgather", "upstream_dense")
 EXCHANGES = ("allgather", "halo", "a2a", "ulysses", "auto")
-
-
-def sft_mix(total: int, seed: int = 0, max_len: int = 16384) -> tuple[int, ...]:
-    """A long-tailed SFT-like mix of document lengths filling ``total`` tokens (log-uniform, 16..max_len)."""
-    rng = random.Random(seed)
-    lengths: list[int] = []
-    while sum(lengths) < total:
-        lengths.append(min(int(2 ** rng.uniform(4, max_len.bit_length() - 1)), total - sum(lengths)))
-    return tuple(lengths)
 
 
 @dataclass(frozen=True)
@@ -97,12 +84,12 @@ WORKLOADS = {
     "W8K": Workload(8192, (3000, 2000, 1500, 1000), kernels=("dense", "sdpa_varlen")),
     # Long-tailed SFT mixes (MIX32K has documents longer than a shard). At 131072 tokens
     # the heads are reduced (2/1 x 32) so that CPU iterations take seconds, not minutes.
-    "MIX32K": Workload(32768, sft_mix(32768, seed=1, max_len=20000)),
+    "MIX32K": Workload(32768, tuple(sft_mix(32768, 20000, seed=1))),
     # The issue-2 memory check: 131072 tokens, W8K's heads (8/4 x 64), a realistic mix (16 to 16384 tokens).
-    "S131K": Workload(131072, sft_mix(131072), iters=2),  # a memory check: 2 timed iterations
-    "MIX131K": Workload(131072, sft_mix(131072, seed=2, max_len=40000), heads=2, kv_heads=1, head_dim=32),
+    "S131K": Workload(131072, tuple(sft_mix(131072, 16384)), iters=2),  # a memory check: 2 timed iterations
+    "MIX131K": Workload(131072, tuple(sft_mix(131072, 40000, seed=2)), heads=2, kv_heads=1, head_dim=32),
     # The recipe's scale: 512 tokens of short documents, its model's heads (8/4 x 32); fixed costs dominate.
-    "R512": Workload(512, sft_mix(512, seed=0, max_len=400), head_dim=32, iters=30),
+    "R512": Workload(512, tuple(sft_mix(512, 400, seed=0)), head_dim=32, iters=30),
     # The variant rows (--variants): an 8K row of five documents, W8K's heads.
     "V8K": Workload(8192, (3000, 2000, 1500, 1000, 692)),
     # One document filling the row: the contiguous layout's worst case (1 x 1 x 16 heads for CPU time).
@@ -140,32 +127,6 @@ def upstream_dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
         return torch.nn.functional.scaled_dot_product_attention(q, k_full, v_full, attn_mask=mask)
 
 
-class AttentionBlock(torch.nn.Module):
-    """``x [1, L, Hq*D]`` -> q/k/v projections -> CP attention -> o projection -> ``[1, L, Hq*D]``."""
-
-    def __init__(self, work: Workload, upstream: bool = False) -> None:
-        super().__init__()
-        heads, kv_heads, head_dim = work.heads, work.kv_heads, work.head_dim
-        hidden = heads * head_dim
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.sinks = torch.nn.Parameter(torch.zeros(heads)) if work.sinks else None
-        self.variant = AttentionVariant(window=work.window, softcap=work.softcap, sinks=self.sinks)
-        self.attention = upstream_dense_attention if upstream else self._cp_attention
-        self.q = torch.nn.Linear(hidden, hidden, bias=False)
-        self.kv = torch.nn.Linear(hidden, 2 * kv_heads * head_dim, bias=False)
-        self.o = torch.nn.Linear(hidden, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        length = x.shape[1]
-        q = self.q(x).view(1, length, self.heads, self.head_dim).transpose(1, 2)
-        kv = self.kv(x).view(1, length, 2 * self.kv_heads, self.head_dim).transpose(1, 2)
-        out = self.attention(q, *kv.chunk(2, dim=1))
-        return self.o(out.transpose(1, 2).reshape(1, length, -1))
-
-    def _cp_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return cp_blockdiag_sdpa(q, k, v, enable_gqa=self.heads != self.kv_heads, variant=self.variant)
-
-
 def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
@@ -193,28 +154,24 @@ def _packed_ids(work: Workload) -> torch.Tensor:
 
 
 def _timed(
-    block: torch.nn.Module, ctx: Any, x: torch.Tensor, work: Workload, cpu_times: list[float] | None = None
-) -> tuple[list[float], list[float]]:
-    """Per timed iteration: wall time, and seconds blocked on K/V exchanges (forward + backward).
-
-    ``cpu_times`` (if given) receives each timed iteration's CPU time of this process: what the rank
-    computed and copied, without the time other processes of a loaded machine held its core.
-    """
-    times, waits = [], []
+    block: torch.nn.Module, ctx: Any, x: torch.Tensor, work: Workload
+) -> tuple[list[float], list[float], list[float]]:
+    """Per timed iteration: wall time, seconds blocked on K/V exchanges (forward + backward), and this
+    process's CPU time (less sensitive than wall time to other work on a shared machine)."""
+    times, waits, cpu = [], [], []
     for it in range(work.warmup + work.iters):
         dist.barrier()
         reset_exchange_stats()
-        start, cpu_start = time.perf_counter(), time.process_time()
+        start, start_cpu = time.perf_counter(), time.process_time()
         with ctx():
             block(x).sum().backward()
-        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        elapsed, elapsed_cpu = time.perf_counter() - start, time.process_time() - start_cpu
         stats = exchange_stats() or {}
         if it >= work.warmup:
             times.append(elapsed)
+            cpu.append(elapsed_cpu)
             waits.append(stats.get("exchange_wait_s", 0.0) + stats.get("exchange_backward_wait_s", 0.0))
-            if cpu_times is not None:
-                cpu_times.append(cpu)
-    return times, waits
+    return times, waits, cpu
 
 
 def _exchange_alone(ctx: Any, work: Workload, local_len: int, path: str, reps: int = 5) -> float:
@@ -288,9 +245,7 @@ def _worker(
     results: Any,
 ) -> None:
     torch.set_num_threads(threads)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=work.cp, init_method=f"tcp://127.0.0.1:{port}", timeout=timedelta(minutes=30)
-    )
+    init_gloo(rank, work.cp, port, timeout_s=30 * 60)
     bare_rss = _rss_mib()
     torch.manual_seed(0)
     upstream = combo.backend == UPSTREAM[2]
@@ -298,7 +253,11 @@ def _worker(
         raise ValueError(
             "--window/--variants: the upstream baseline has no attention variants; leave upstream_dense out of --combos"
         )
-    block = AttentionBlock(work, upstream=upstream)
+    attention = upstream_dense_attention if upstream else None
+    sinks = torch.nn.Parameter(torch.zeros(work.heads)) if work.sinks else None  # one learned logit per query head
+    variant = AttentionVariant(window=work.window, softcap=work.softcap, sinks=sinks)
+    block = AttentionBlock(work.heads, work.kv_heads, work.head_dim, attention, variant)
+    block.sinks = sinks  # registered, so the sinks are one of the block's parameters
     ids = _packed_ids(work)
     mesh = init_device_mesh("cpu", (work.cp,), mesh_dim_names=("cp",))
     batch = {"input_ids": torch.zeros_like(ids), "_packed_seq_ids": ids}
@@ -314,11 +273,9 @@ def _worker(
             layout=combo.layout,
         )
         x = torch.randn(1, shard.local_len, work.heads * work.head_dim, requires_grad=True)
-        cpu_times: list[float] = []
-        times, waits = _timed(block, ctx, x, work, cpu_times if overlap else None)
-        if overlap:
-            row["cpu_times"] = cpu_times
+        times, waits, cpu = _timed(block, ctx, x, work)
         row["times" if overlap else "times_no_overlap"] = times
+        row["cpu_times" if overlap else "cpu_times_no_overlap"] = cpu
         row["waits" if overlap else "waits_no_overlap"] = waits
     # the upstream baseline bypasses cp_blockdiag_sdpa: it all-gathers everything
     row["stats"] = exchange_stats() or {
@@ -344,23 +301,6 @@ def _slowest(ranks: list[dict[str, Any]], key: str) -> list[float]:
     return [max(step) for step in zip(*(r[key] for r in ranks))]
 
 
-def _collect(results: Any, procs: list[Any]) -> list[dict[str, Any]]:
-    """One result row per worker; raise as soon as a worker exits without one (instead of waiting forever)."""
-    rows: list[dict[str, Any]] = []
-    while len(rows) < len(procs):
-        try:
-            rows.append(results.get(timeout=1.0))
-        except queue.Empty:
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if dead:
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(f"a benchmark worker failed (exit codes {dead}); its traceback is above") from None
-    for p in procs:
-        p.join()
-    return rows
-
-
 def _bytes_received(stats: dict[str, Any]) -> int | None:
     """Bytes one forward receives on a rank: K/V for the key exchanges; q/k/v and the output under ulysses."""
     heads = stats.get("ulysses")
@@ -371,16 +311,8 @@ def run_combo(
     work: Workload, combo: Combo, threads: int, overlap_baseline: bool, efficiency: bool = False
 ) -> dict[str, Any]:
     """Run one combination on ``work.cp`` fresh processes; return the reported figures."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, port, work, combo, threads, overlap_baseline, efficiency, results))
-        for r in range(work.cp)
-    ]
-    for p in procs:
-        p.start()
-    ranks = sorted(_collect(results, procs), key=lambda r: r["rank"])
+    runs = run_ranks(_worker, work.cp, work, combo, threads, overlap_baseline, efficiency)
+    ranks = sorted(runs, key=lambda r: r["rank"])
     received = [r["stats"]["kv_tokens_received"] for r in ranks]
     # bytes one forward receives per rank: K/V for the key exchanges; q/k/v and the output for ulysses
     moved = [_bytes_received(r["stats"]) for r in ranks]
@@ -391,7 +323,7 @@ def run_combo(
         "kernel": ranks[0]["stats"]["attn_backend"],
         "median_s": statistics.median(_slowest(ranks, "times")),
         "min_s": min(_slowest(ranks, "times")),
-        "cpu_s": statistics.median(_slowest(ranks, "cpu_times")),
+        "median_cpu_s": statistics.median(_slowest(ranks, "cpu_times")),
         "balance": ranks[0]["balance"],
         "peak_rss_mib": [round(r["peak_rss_mib"]) for r in ranks],
         "bare_rss_mib": [round(r["bare_rss_mib"]) for r in ranks],
@@ -474,29 +406,41 @@ def run_variants(work: Workload, combo: Combo, threads: int, rounds: int) -> lis
     """Each :data:`VARIANTS` row on ``combo``, ``rounds`` times in turn; its ratio to plain causal per round.
 
     The rows of one round run back to back, so a change of machine load shifts them together; the reported
-    ratio is the median over rounds of (variant's median time / plain causal's median time in that round).
+    ratio is the median over rounds of (variant's median time / plain causal's median time in that round),
+    for wall time and for CPU time (the slowest rank's process time, which other work on a shared machine
+    disturbs less).
     """
-    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in VARIANTS}
     for _ in range(rounds):
         for name, fields in VARIANTS.items():
-            times[name].append(run_combo(replace(work, **fields), combo, threads, False)["median_s"])
-            print(f"done variant {name!r}: {times[name][-1]:.3f}s", flush=True)
-    plain = times["plain causal"]
+            runs[name].append(run_combo(replace(work, **fields), combo, threads, False))
+            print(f"done variant {name!r}: {runs[name][-1]['median_s']:.3f}s", flush=True)
+
+    def ratios(name: str, key: str) -> list[float]:
+        return [r[key] / p[key] for r, p in zip(runs[name], runs["plain causal"])]
+
     return [
         {
             "variant": name,
-            "median_s": statistics.median(samples),
-            "vs_plain": statistics.median(t / p for t, p in zip(samples, plain)),
-            "per_round": [round(t / p, 3) for t, p in zip(samples, plain)],
+            "median_s": statistics.median(r["median_s"] for r in runs[name]),
+            "vs_plain": statistics.median(ratios(name, "median_s")),
+            "per_round": [round(x, 2) for x in ratios(name, "median_s")],
+            "median_cpu_s": statistics.median(r["median_cpu_s"] for r in runs[name]),
+            "cpu_vs_plain": statistics.median(ratios(name, "median_cpu_s")),
+            "cpu_per_round": [round(x, 2) for x in ratios(name, "median_cpu_s")],
         }
-        for name, samples in times.items()
+        for name in VARIANTS
     ]
 
 
 def _variant_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| variant | median s | vs plain causal (same run) | per round |", "|---|---|---|---|"]
+    lines = [
+        "| variant | wall s | vs plain causal (per round) | CPU s | CPU vs plain causal (per round) |",
+        "|---|---|---|---|---|",
+    ]
     lines += [
-        f"| {r['variant']} | {r['median_s']:.3f} | {r['vs_plain']:.2f}x | {', '.join(map(str, r['per_round']))} |"
+        f"| {r['variant']} | {r['median_s']:.3f} | {r['vs_plain']:.2f}x ({', '.join(map(str, r['per_round']))}) "
+        f"| {r['median_cpu_s']:.3f} | {r['cpu_vs_plain']:.2f}x ({', '.join(map(str, r['cpu_per_round']))}) |"
         for r in rows
     ]
     return "\n".join(lines)
@@ -522,7 +466,7 @@ def run_paths(work: Workload, combos: list[Combo], threads: int, rounds: int) ->
     ratio is the median over rounds of (combination's median time / the fastest fixed combination's that round).
     On a shared, loaded machine load only ever adds time, so ``best_s`` (the fastest iteration over all rounds)
     and its ratio to the fastest fixed combination's are reported too, with the slowest rank's CPU time per
-    iteration (``cpu_s``: the compute and copies, without time-sharing; waits on peers use no CPU).
+    iteration (``median_cpu_s``: the compute and copies, without time-sharing; waits on peers use no CPU).
     """
     runs: dict[Combo, list[dict[str, Any]]] = {c: [] for c in combos}
     for _ in range(rounds):
@@ -532,7 +476,7 @@ def run_paths(work: Workload, combos: list[Combo], threads: int, rounds: int) ->
     fixed = [c for c in combos if "auto" not in (c.layout, c.kv_exchange)]
     best = [min(runs[c][i]["median_s"] for c in fixed) for i in range(rounds)]
     fastest = min(r["min_s"] for c in fixed for r in runs[c])
-    least_cpu = min(statistics.median(r["cpu_s"] for r in runs[c]) for c in fixed)
+    least_cpu = min(statistics.median(r["median_cpu_s"] for r in runs[c]) for c in fixed)
     return [
         {
             **asdict(combo),
@@ -542,8 +486,8 @@ def run_paths(work: Workload, combos: list[Combo], threads: int, rounds: int) ->
             "vs_best_fixed": statistics.median(r["median_s"] / b for r, b in zip(samples, best)),
             "best_s": min(r["min_s"] for r in samples),
             "best_vs_best_fixed": min(r["min_s"] for r in samples) / fastest,
-            "cpu_s": statistics.median(r["cpu_s"] for r in samples),
-            "cpu_vs_best_fixed": statistics.median(r["cpu_s"] for r in samples) / least_cpu,
+            "median_cpu_s": statistics.median(r["median_cpu_s"] for r in samples),
+            "cpu_vs_best_fixed": statistics.median(r["median_cpu_s"] for r in samples) / least_cpu,
             "per_round": [round(r["median_s"] / b, 3) for r, b in zip(samples, best)],
         }
         for combo, samples in runs.items()
@@ -559,7 +503,7 @@ def _paths_table(rows: list[dict[str, Any]]) -> str:
     lines += [
         f"| {r['layout']} | {r['kv_exchange']} | {r['path']} | {r['median_s']:.3f} | {r['mib_received']} "
         f"| {r['vs_best_fixed']:.2f}x | {', '.join(map(str, r['per_round']))} | {r['best_s']:.3f} "
-        f"| {r['best_vs_best_fixed']:.2f}x | {r['cpu_s']:.3f} | {r['cpu_vs_best_fixed']:.2f}x |"
+        f"| {r['best_vs_best_fixed']:.2f}x | {r['median_cpu_s']:.3f} | {r['cpu_vs_best_fixed']:.2f}x |"
         for r in rows
     ]
     return "\n".join(lines)

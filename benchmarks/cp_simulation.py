@@ -14,26 +14,16 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import random
 import time
 
 from nemo_automodel.components.distributed.blockdiag_cp import cost
 from nemo_automodel.components.distributed.blockdiag_cp.layout import doc_runs_from_lengths
 from nemo_automodel.components.distributed.blockdiag_cp.plan import PlanRow, plan_rows
-
-
-def sft_mix(total: int, shard: int, seed: int = 0) -> list[int]:
-    """One document of 1.5 shards, then log-uniform lengths from 16 tokens to a shard, filling ``total``."""
-    rng = random.Random(seed)
-    out = [min(total, shard + shard // 2)]
-    while sum(out) < total:
-        out.append(min(int(2 ** rng.uniform(4, max(5, shard.bit_length() - 1))), total - sum(out)))
-    return out
-
+from nemo_automodel.testing.workloads import sft_mix
 
 FAMILIES = {
     "single document": lambda total, shard: [total],
-    "SFT mix (docs > shard)": sft_mix,
+    "SFT mix (docs > shard)": lambda total, shard: sft_mix(total, max(shard, 32), lead=shard + shard // 2),
     "uniform short (512)": lambda total, shard: [512] * (total // 512),
 }
 

@@ -40,24 +40,19 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project's test kit: float64 reference, CP cases
-
-from cp_attention import _collect, sft_mix
 
 from nemo_automodel.components.distributed.blockdiag_cp import gpu_kernels, gpu_libraries, kernels
 from nemo_automodel.components.distributed.blockdiag_cp.gpu_libraries import KernelCall
 from nemo_automodel.components.distributed.blockdiag_cp.variant import AttentionVariant
-from nemo_automodel.components.launcher.local import free_port
-from tests.cases import Case, attend_cases, compare, layout
-from tests.reference import reference_attention
+from nemo_automodel.testing.cases import Case, attend_cases, compare, layout
+from nemo_automodel.testing.dist import init_gloo, run_ranks
+from nemo_automodel.testing.reference import reference_attention
+from nemo_automodel.testing.workloads import sft_mix
 
 KERNELS = ("fa3", "flash", "te", "torch_varlen", "sdpa_varlen", "dense")
 GPU_KERNELS = ("fa3", "flash", "te", "torch_varlen")
@@ -485,7 +480,7 @@ def _tflops_row(kernel: str, lengths: tuple[int, ...], iters: int, device: torch
 
 def tflops_tasks(device: torch.device, iters: int, sizes: tuple[int, ...]) -> Iterator[Task]:
     for total in sizes:
-        lengths = sft_mix(total, seed=3)
+        lengths = sft_mix(total, 16384, seed=3)
         for kernel in KERNELS:
             run = functools.partial(_tflops_row, kernel, lengths, iters, device)
             gpu = kernel in GPU_KERNELS or device.type == "cuda"
@@ -596,9 +591,7 @@ def _exchange_cases(device: torch.device) -> tuple[Case, ...]:
 
 def _exchange_worker(rank: int, port: int, device_name: str, results: Any) -> None:
     """One of two gloo ranks on the same device: which collectives fail on its tensors, else the CP cases."""
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}", timeout=timedelta(seconds=120)
-    )
+    init_gloo(rank, 2, port, timeout_s=120)
     device = torch.device(device_name)
     if device.type == "cuda":
         torch.cuda.set_device(0)
@@ -612,12 +605,7 @@ def _exchange_worker(rank: int, port: int, device_name: str, results: Any) -> No
 
 
 def _exchange_reports(device: torch.device) -> list[dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    results, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_exchange_worker, args=(r, port, str(device), results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    reports = [torch.load(io.BytesIO(data), weights_only=False) for data in _collect(results, procs)]
+    reports = [torch.load(io.BytesIO(data), weights_only=False) for data in run_ranks(_exchange_worker, 2, str(device))]
     return sorted(reports, key=lambda r: r["rank"])
 
 

@@ -17,13 +17,12 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
-from nemo_automodel.components.launcher.local import free_port
+from nemo_automodel.testing.dist import free_port, init_gloo
 
 
 class HangError(AssertionError):
@@ -60,13 +59,7 @@ def _worker(rank: int, world: int, port: int, tasks: Any, results: Any, pg_timeo
 
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    dist.init_process_group(
-        "gloo",
-        rank=rank,
-        world_size=world,
-        init_method=f"tcp://127.0.0.1:{port}",
-        timeout=timedelta(seconds=pg_timeout_s),
-    )
+    init_gloo(rank, world, port, pg_timeout_s)
     results.put(("ready", rank, None))
     while True:
         task = tasks.get()

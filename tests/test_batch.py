@@ -18,8 +18,8 @@ from nemo_automodel.components.distributed.blockdiag_cp import (
     current_blockdiag_cp_state,
     make_cp_blockdiag_batch_and_ctx,
 )
-from tests.cases import cp_mesh
-from tests.reference import blockdiag_allowed, doc_ids_from_lengths
+from nemo_automodel.testing.cases import cp_mesh
+from nemo_automodel.testing.reference import blockdiag_allowed, doc_ids_from_lengths
 
 
 def _row(lengths: list[int], total: int) -> dict[str, torch.Tensor]:

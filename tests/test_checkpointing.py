@@ -8,31 +8,14 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from nemo_automodel.components.distributed.blockdiag_cp import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
-from tests.cases import cp_mesh, layout
-
-
-class AttentionBlock(torch.nn.Module):
-    """q/k/v/o projections around CP attention: ``x [1, L, H*D]`` -> ``[1, L, H*D]``."""
-
-    def __init__(self, hidden=32, heads=4, kv_heads=2):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
-        self.q = torch.nn.Linear(hidden, hidden, dtype=torch.float64)
-        self.kv = torch.nn.Linear(hidden, 2 * kv_heads * self.head_dim, dtype=torch.float64)
-        self.o = torch.nn.Linear(hidden, hidden, dtype=torch.float64)
-
-    def forward(self, x):
-        length = x.shape[1]
-        q = self.q(x).view(1, length, self.heads, self.head_dim).transpose(1, 2)
-        k, v = self.kv(x).view(1, length, 2 * self.kv_heads, self.head_dim).transpose(1, 2).chunk(2, dim=1)
-        out = cp_blockdiag_sdpa(q, k, v, enable_gqa=True)
-        return self.o(out.transpose(1, 2).reshape(1, length, -1))
+from nemo_automodel.components.distributed.blockdiag_cp import make_cp_blockdiag_batch_and_ctx
+from nemo_automodel.testing.cases import cp_mesh, layout
+from nemo_automodel.testing.workloads import AttentionBlock
 
 
 def _grads(mode: str, kv_exchange: str):
     torch.manual_seed(0)
-    block = AttentionBlock()
+    block = AttentionBlock(heads=4, kv_heads=2, head_dim=8, bias=True, dtype=torch.float64)
     ids = layout("spans_many", 2)
     batch = {"input_ids": torch.zeros(1, ids.shape[1], dtype=torch.long), "_packed_seq_ids": ids}
     ctx, _, shard = make_cp_blockdiag_batch_and_ctx(cp_mesh(), None, batch, kv_exchange=kv_exchange)

@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 from nemo_automodel.components.distributed.blockdiag_cp import compat, make_cp_blockdiag_batch_and_ctx
 from nemo_automodel.components.distributed.blockdiag_cp.state import BlockdiagCpModelState
+from nemo_automodel.testing.cases import cp_mesh, layout
 from nemo_automodel.testing.syncs import count_syncs
-from tests.cases import cp_mesh, layout
 
 
 def test_needed_only_preflight_has_the_seeds_documented_signature():

@@ -19,7 +19,7 @@ from nemo_automodel.components.distributed.blockdiag_cp import (
     runtime,
     state,
 )
-from tests.cases import cp_mesh, layout
+from nemo_automodel.testing.cases import cp_mesh, layout
 from tests.step_globals import mutable_globals_read
 
 # Module-level objects the core may read: tables fixed at import, and log-once's memo of keys already logged.

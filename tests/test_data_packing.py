@@ -16,7 +16,7 @@ from nemo_automodel.components.datasets.packing import (
     fit_to_row,
     pack_documents,
 )
-from tests.reference import fill_rows_reference, fit_to_row_reference
+from nemo_automodel.testing.reference import fill_rows_reference, fit_to_row_reference
 
 
 def _documents(n: int, seq_len: int, seed: int) -> list[Document]:

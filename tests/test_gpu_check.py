@@ -25,11 +25,7 @@ SCRIPT = REPO / "benchmarks" / "gpu_check.py"
 
 
 def _gpu_check():
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        return importlib.import_module("gpu_check")
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    return importlib.import_module("benchmarks.gpu_check")  # the repository root is on the path (a namespace package)
 
 
 def _table(out: str, section: str) -> list[list[str]]:

@@ -29,8 +29,8 @@ from nemo_automodel.components.distributed.blockdiag_cp.gpu_libraries import Ker
 from nemo_automodel.components.distributed.blockdiag_cp.logs import reset_log_once
 from nemo_automodel.components.distributed.blockdiag_cp.options import choices
 from nemo_automodel.components.distributed.blockdiag_cp.variant import AttentionVariant
+from nemo_automodel.testing.reference import segments_reference
 from tests.cases import fake_kernels
-from tests.reference import segments_reference
 
 # ----------------------------------------------------------------------------- the real signatures
 

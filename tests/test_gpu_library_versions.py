@@ -17,9 +17,9 @@ import torch
 from nemo_automodel.components.distributed.blockdiag_cp import gpu_kernels, gpu_libraries, kernels
 from nemo_automodel.components.distributed.blockdiag_cp.gpu_libraries import KernelCall
 from nemo_automodel.components.distributed.blockdiag_cp.variant import PLAIN, AttentionVariant
+from nemo_automodel.testing.reference import segments_reference
 from tests.cases import fake_kernels
 from tests.fakes.machine import A10, A100, B200, H100, L40S, RTX5090, T4, Device, Machine
-from tests.reference import segments_reference
 
 GPU = ("fa3", "flash", "te", "torch_varlen")
 SCALE = 0.4

@@ -7,7 +7,7 @@ import torch
 
 from nemo_automodel.components.distributed.blockdiag_cp import cpu_kernels, kernels
 from nemo_automodel.components.distributed.blockdiag_cp.variant import PLAIN, AttentionVariant
-from tests.reference import reference_attention
+from nemo_automodel.testing.reference import reference_attention
 
 
 def _segment(q_len: int, k_len: int, heads: tuple[int, int]):

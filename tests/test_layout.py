@@ -16,20 +16,11 @@ from nemo_automodel.components.distributed.blockdiag_cp.layout import (
     make_shard_plan,
     pair_count,
 )
-
-
-def sft_mix(total: int, shard: int, seed: int = 0) -> list[int]:
-    """One document of 1.5 shards, then log-uniform lengths from 4 tokens to a shard, filling ``total``."""
-    rng = random.Random(seed)
-    out = [shard + shard // 2]
-    while sum(out) < total:
-        out.append(min(int(2 ** rng.uniform(2, shard.bit_length() - 1)), total - sum(out)))
-    return out
-
+from nemo_automodel.testing.workloads import sft_mix
 
 FAMILIES = {
     "single_document": lambda total, shard: [total],
-    "sft_mix": sft_mix,
+    "sft_mix": lambda total, shard: sft_mix(total, shard, shortest=4, lead=shard + shard // 2),
     "uniform_short": lambda total, shard: [64] * (total // 64),
 }
 

@@ -16,7 +16,7 @@ from nemo_automodel.components.distributed.blockdiag_cp import (
     options,
 )
 from nemo_automodel.components.distributed.blockdiag_cp.options import CPOptions
-from tests.cases import cp_mesh, layout
+from nemo_automodel.testing.cases import cp_mesh, layout
 
 
 @pytest.mark.parametrize("name", list(options.UPSTREAM_SPELLINGS))

@@ -15,7 +15,7 @@ from nemo_automodel.components.distributed.blockdiag_cp import (
     packed_varlen_sdpa,
 )
 from nemo_automodel.components.distributed.blockdiag_cp.variant import AttentionVariant
-from tests.reference import doc_ids_from_lengths, reference_attention
+from nemo_automodel.testing.reference import doc_ids_from_lengths, reference_attention
 
 STOCK_SDPA = F.scaled_dot_product_attention
 

@@ -8,8 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.cases import GPU_KERNELS, LAYOUTS, Case, attend_cases, compare, layout
-from tests.reference import doc_ids_from_lengths
+from nemo_automodel.testing.cases import GPU_KERNELS, LAYOUTS, Case, attend_cases, compare, layout
+from nemo_automodel.testing.reference import doc_ids_from_lengths
+from tests.cases import attend_fake_cases
 
 EXCHANGES = ("allgather", "halo", "a2a", "auto")
 CPU_KERNELS = ("sdpa_varlen", "dense")
@@ -17,7 +18,7 @@ HEADS = ((4, 2), (2, 2))
 
 
 def _check(pools, cp: int, cases: list[Case], fakes: bool = False) -> None:
-    results = pools.get(cp).run_ok(attend_cases, cases, fakes=fakes)
+    results = pools.get(cp).run_ok(attend_fake_cases if fakes else attend_cases, cases)
     problems = [p for i, case in enumerate(cases) for p in compare(case, [r[i] for r in results], cp)]
     assert not problems, "\n".join(problems)
 

@@ -25,8 +25,8 @@ from nemo_automodel.components.distributed.blockdiag_cp import (
     runtime,
 )
 from nemo_automodel.components.distributed.blockdiag_cp.logs import reset_log_once
-from tests.cases import cp_mesh, layout
-from tests.reference import doc_ids_from_lengths
+from nemo_automodel.testing.cases import cp_mesh, layout
+from nemo_automodel.testing.reference import doc_ids_from_lengths
 
 # ----------------------------------------------------------------------------- single process
 

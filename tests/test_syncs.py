@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from nemo_automodel.components.distributed.blockdiag_cp import CPOptions, make_cp_blockdiag_batch_and_ctx
+from nemo_automodel.testing.cases import cp_mesh, layout
 from nemo_automodel.testing.syncs import count_syncs
-from tests.cases import cp_mesh, layout
 from tests.faults.injection import AttentionStack, Injector
 
 LAYERS = (1, 4)

@@ -36,8 +36,8 @@ from nemo_automodel.components.distributed.parallel import (
     record_placement,
 )
 from nemo_automodel.components.training.failure import translate_failure
+from nemo_automodel.testing.cases import cp_mesh, layout
 from nemo_automodel.testing.syncs import count_syncs
-from tests.cases import cp_mesh, layout
 
 TWO_NODES = ("node1", "node2")
 ONE_NODE = ("node1", "node1")

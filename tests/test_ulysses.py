@@ -25,7 +25,7 @@ from nemo_automodel.components.distributed.blockdiag_cp import (
 from nemo_automodel.components.distributed.blockdiag_cp.heads import split_heads
 from nemo_automodel.components.distributed.blockdiag_cp.layout import make_shard_plan
 from nemo_automodel.components.distributed.blockdiag_cp.metadata import build_window_plan
-from tests.cases import GPU_KERNELS, LAYOUTS, Case, attend_cases, compare, cp_mesh, full_inputs, layout
+from nemo_automodel.testing.cases import GPU_KERNELS, LAYOUTS, Case, attend_cases, compare, cp_mesh, full_inputs, layout
 from tests.families import FAMILIES, cp_run
 from tests.faults.injection import AttentionStack, Injector
 from tests.test_model_families import _problems as family_problems

@@ -9,6 +9,7 @@ the test reads the table, runs the trigger (in this process, or on every rank of
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import re
@@ -34,6 +35,7 @@ from nemo_automodel.components.datasets.tokenizer import ByteTokenizer, HFTokeni
 from nemo_automodel.components.distributed.blockdiag_cp import (
     AttentionVariant,
     CPOptions,
+    StepAgreement,
     attach_cp1_packed_varlen_hooks,
     configure_cp_varlen,
     cost,
@@ -54,9 +56,9 @@ from nemo_automodel.components.training.step import _check_cp_reached_attention
 from nemo_automodel.recipes import plan as recipe_plan
 from nemo_automodel.recipes.checks import check_attn_backend, check_paths, check_positions, check_run_dir
 from nemo_automodel.recipes.lora import check_quantize
-from tests.cases import cp_mesh
+from nemo_automodel.testing.cases import cp_mesh
+from nemo_automodel.testing.reference import doc_ids_from_lengths
 from tests.recipe_helpers import CHAT_TEMPLATE, REPO, save_chat_tokenizer
-from tests.reference import doc_ids_from_lengths
 
 CATALOGUE = REPO / "docs" / "bad_inputs.md"
 ROW = re.compile(r"^\| `(?P<id>[a-z0-9-]+)` \| (?P<input>.+?) \| `(?P<error>\w+)` \| `(?P<message>[^`]+)` \|$")
@@ -74,6 +76,13 @@ def _row(total: int = 8, **fields: Any) -> dict[str, Any]:
 
 def _build(batch: dict[str, Any], **kwargs: Any) -> Any:
     return make_cp_blockdiag_batch_and_ctx(None, None, batch, **kwargs)
+
+
+def _two_groups_one_agreement() -> None:
+    """A row without a process group, then one claiming a group, under one agreement."""
+    agreement = StepAgreement()
+    _build(_row(), agreement=agreement)
+    agreement.add(dataclasses.replace(agreement.rows[0], group=object()))
 
 
 def _ids(*values: int) -> torch.Tensor:
@@ -112,6 +121,8 @@ BATCH: dict[str, Callable[[], Any]] = {
     "knob-configure": lambda: configure_cp_varlen(kv_exchange="ring"),
     "options-and-knobs": lambda: _build(_row(), options=CPOptions(), kv_exchange="a2a"),
     "options-type": lambda: _build(_row(), options={"kv_exchange": "a2a"}),
+    "agreement-already-agreed": lambda: _build(_row(), agreement=StepAgreement(agreed=True)),
+    "agreement-other-group": lambda: _two_groups_one_agreement(),
     "options-overlap": lambda: CPOptions(overlap="yes"),
     "options-consensus": lambda: CPOptions(consensus="often"),
     "options-retired-spelling": lambda: CPOptions(attn_backend="sdpa"),

@@ -19,8 +19,8 @@ from nemo_automodel.components.distributed.blockdiag_cp import (
     make_cp_blockdiag_batch_and_ctx,
 )
 from nemo_automodel.components.distributed.blockdiag_cp.batch import SEQ_FIELDS
-from tests.cases import cp_mesh
-from tests.reference import blockdiag_allowed, doc_ids_from_lengths
+from nemo_automodel.testing.cases import cp_mesh
+from nemo_automodel.testing.reference import blockdiag_allowed, doc_ids_from_lengths
 
 # Words a clear error names: the batch's fields, the knobs, the mesh.
 FIELD_WORDS = (*SEQ_FIELDS, "attention_mask", "batch", "attn_backend", "kv_exchange", "layout", "cp_mesh")

@@ -6,9 +6,9 @@ import re
 
 import pytest
 
+from nemo_automodel.testing.reference import doc_ids_from_lengths
 from tests.faults import figures
 from tests.faults.trials import LOCAL, Trial, run_trials
-from tests.reference import doc_ids_from_lengths
 
 KNOBS = {"kv_exchange": "halo", "attn_backend": "sdpa_varlen", "layout": "contiguous"}
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from nemo_automodel.testing.reference import doc_ids_from_lengths
 from tests.faults import figures
 from tests.faults.injection import Fault
 from tests.faults.trials import Outcome, Trial, kernel_fault_trials, run_trials
-from tests.reference import doc_ids_from_lengths
 
 # Trials per CP size: each cycles through every exchange x fault type (16 combinations), the rest random.
 TRIALS = {2: 32, 3: 32, 4: 32}

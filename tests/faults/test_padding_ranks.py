@@ -14,8 +14,8 @@ import itertools
 from typing import Any
 
 from nemo_automodel.components.distributed.blockdiag_cp import layout as layout_module
-from tests.cases import LOCAL, Case, _attend_one, compare, cp_mesh
-from tests.reference import doc_ids_from_lengths
+from nemo_automodel.testing.cases import LOCAL, Case, attend_one, compare, cp_mesh
+from nemo_automodel.testing.reference import doc_ids_from_lengths
 
 EXCHANGES = ("allgather", "halo", "a2a", "auto")
 CP = 3
@@ -39,7 +39,7 @@ def _attend_with_empty_rank(cases: list[tuple[Case, int]]) -> list[dict[str, Any
     for case, empty in cases:
         layout_module.balanced_pieces = pieces_leaving_empty(empty)
         try:
-            out.append(_attend_one(mesh, case))
+            out.append(attend_one(mesh, case))
         finally:
             layout_module.balanced_pieces = real
     return out

@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 
 from nemo_automodel.components.distributed.parallel import build_meshes, resolve_topology
+from nemo_automodel.testing.reference import doc_ids_from_lengths
 from tests.faults import figures
 from tests.faults.injection import Fault
 from tests.faults.trials import LOCAL, Trial, run_trials
-from tests.reference import doc_ids_from_lengths
 
 TIMEOUT_S = 3.0
 

@@ -19,9 +19,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from nemo_automodel.components.distributed.blockdiag_cp import make_cp_blockdiag_batch_and_ctx
 from nemo_automodel.components.distributed.blockdiag_cp.layout import doc_runs_from_ids, make_shard_plan
-from tests.cases import cp_mesh
+from nemo_automodel.testing.cases import cp_mesh
+from nemo_automodel.testing.reference import doc_ids_from_lengths
 from tests.faults.injection import FAULT_TYPES, AttentionStack, Fault, in_step, injected
-from tests.reference import doc_ids_from_lengths
 
 LOCAL = 16  # local rows per rank
 EXCHANGES = ("allgather", "halo", "a2a", "auto")

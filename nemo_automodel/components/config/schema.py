@@ -132,8 +132,10 @@ class DataConfig:
             turns up to the last whole assistant turn that fits (none fits: dropped), ``drop``, or ``error``.
         max_record_bytes: The largest record read, in bytes: a JSON Lines line (without its newline), or a
             parquet/arrow/JSON-array row's data (its strings and numbers). JSON Lines are measured while the
-            file is read in chunks, before any parsing, so a huge line never becomes Python objects (a record
-            costs several hundred bytes of memory per byte once tokenized). Default 16 MiB.
+            file is read in chunks, before any parsing, so a huge line never becomes Python objects. Default
+            4 MiB (about 1M tokens, more than a row holds): a Hugging Face tokenizer takes ~190 bytes of memory
+            per byte of the record it encodes (measured: ``benchmarks/data_prep.py --record-mib``), so one record
+            at the limit costs ~0.75 GiB on rank 0 (16 MiB would cost ~3 GiB).
         long_records: A record larger than ``max_record_bytes``: ``drop`` it (counted in the ``data:`` log
             line) or ``error`` (names the file and the 1-based line or row).
         empty_answers: A chat assistant turn with an empty answer (blank content, no ``tool_calls``), which
@@ -161,7 +163,7 @@ class DataConfig:
     loss_on: str = "auto"
     add_eos: bool = True
     long_conversations: str = "leading_turns"
-    max_record_bytes: int = 16 * 1024 * 1024
+    max_record_bytes: int = 4 * 1024 * 1024
     long_records: str = "drop"
     empty_answers: str = "warn"
     cache_dir: str | None = None

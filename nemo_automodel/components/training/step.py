@@ -18,12 +18,17 @@ from nemo_automodel.components.config.schema import CPConfig, bf16_autocast
 from nemo_automodel.components.datasets.packing import IGNORE_INDEX
 from nemo_automodel.components.distributed.blockdiag_cp import (
     CPOptions,
+    StepAgreement,
+    StepState,
+    attention_inputs_nonfinite,
     cost,
+    exchange_stats,
+    failure_diagnostics,
+    failure_message,
+    failure_row,
     make_cp_blockdiag_batch_and_ctx,
     nonfinite_attention_inputs,
 )
-from nemo_automodel.components.distributed.blockdiag_cp.consensus import diagnostics, failure_message, failure_row
-from nemo_automodel.components.distributed.blockdiag_cp.state import StepState
 from nemo_automodel.components.distributed.parallel import Meshes
 from nemo_automodel.components.models.cp_attention import attention_scope
 from nemo_automodel.components.training.loss import token_ce_sum
@@ -112,11 +117,13 @@ def cp_options(cp: CPConfig, attn_shape: cost.Shape | None) -> CPOptions:
     return cp.options(attn_shape)
 
 
-def _shard(setup: StepSetup, row: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:
-    """This rank's CP slice of one packed row and its step context."""
+def _shard(
+    setup: StepSetup, row: dict[str, torch.Tensor], agreement: StepAgreement | None = None
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """This rank's CP slice of one packed row and its context (agreed on with the rows of ``agreement``)."""
     row = {k: v.to(setup.device) for k, v in row.items()}
     train_ctx, local, _ = make_cp_blockdiag_batch_and_ctx(
-        setup.meshes.cp, None, row, padding_token_id=setup.pad_id, options=setup.options
+        setup.meshes.cp, None, row, padding_token_id=setup.pad_id, options=setup.options, agreement=agreement
     )
     return train_ctx, local
 
@@ -131,7 +138,7 @@ def _check_cp_reached_attention(setup: StepSetup, state: StepState) -> None:
     At any cp (cp=1 included: a model whose attention bypasses the interface, such as Bloom's ALiBi code, lets
     packed documents attend each other); ``model.attention=eager`` never calls it by design (cp=1 only).
     """
-    if setup.attention != "eager" and state.stats.calls == 0:
+    if setup.attention != "eager" and exchange_stats(state) is None:
         cp = setup.meshes.cp.size()
         shard = "each rank attended only to its own shard and " if cp > 1 else ""
         raise RuntimeError(
@@ -197,14 +204,6 @@ def _attention_lines(states: list[StepState]) -> list[str]:
     return [f"micro-batch {i}: {line}" for i, st in enumerate(states) for line in nonfinite_attention_inputs(st)]
 
 
-def _attention_inputs_nonfinite(states: list[StepState], device: torch.device) -> torch.Tensor:
-    """Device scalar: did any CP attention call of these micro-batches see NaN/Inf in q/k/v (no host sync)."""
-    flags = [flag for st in states for flag in st.cache.finite]
-    if not flags:
-        return torch.zeros((), dtype=torch.float64, device=device)
-    return (~torch.stack(flags).all()).double()
-
-
 # The step's one control all-reduce: these global sums, then PER_RANK columns for every rank of dp x cp.
 _SUMS = ("ce_sum", "tokens", "label_tokens", "kv_tokens_received", "preempt")
 _PER_RANK = ("attention_nonfinite", "loss_nonfinite", "failed_micro_batch", "failed_forward", "failed_backward")
@@ -232,7 +231,7 @@ def _step_totals(
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     device = setup.device
     own = torch.zeros(world, len(_PER_RANK), dtype=torch.float64, device=device)
-    own[rank, 0] = _attention_inputs_nonfinite(states, device)
+    own[rank, 0] = attention_inputs_nonfinite(states, device)
     own[rank, 1] = (~ce_sum.isfinite()).double()
     own[rank, 2:] = torch.tensor(failure_row([st.failures for st in states]), dtype=torch.float64, device=device)
     head = torch.stack([torch.as_tensor(sums[name], dtype=torch.float64, device=device) for name in _SUMS])
@@ -244,12 +243,18 @@ def _step_totals(
     )
 
 
+def _exchange_wait_s(state: StepState) -> float:
+    """Seconds this rank blocked on the row's K/V exchanges, forward and backward (0 before any CP call)."""
+    stats = exchange_stats(state)
+    return 0.0 if stats is None else stats["exchange_wait_s"] + stats["exchange_backward_wait_s"]
+
+
 def _raise_on_kernel_failures(setup: StepSetup, totals: _Totals, states: list[StepState]) -> None:
     """Every rank raises, before the optimizer touches the weights, when a CP kernel failed on any rank."""
     rows = [[int(v) for v in row[2:]] for row in totals.per_rank]
     cp = setup.meshes.cp.size()
     message = failure_message(
-        rows, lambda r: f"rank {r} (cp rank {r % cp})", diagnostics([st.failures for st in states])
+        rows, lambda r: f"rank {r} (cp rank {r % cp})", failure_diagnostics([st.failures for st in states])
     )
     if message is not None:
         raise RuntimeError(message)
@@ -266,6 +271,9 @@ def train_step(
     preempt: Callable[[], bool] = lambda: False,
 ) -> StepResult:
     """Forward/backward every row (one micro-batch each), then one all-reduce, then clip and step.
+
+    Control collectives per optimizer step, whatever ``grad_accum`` is: the CP agreement on every
+    row at once (the step's first CP attention call; none at ``cp = 1``) and the step all-reduce.
 
     Each micro-batch's backward starts from its CE *sum*; FSDP2 SUM-reduces
     gradients on the last micro-batch; after the step's single control
@@ -287,7 +295,8 @@ def train_step(
         NonFiniteStepError: on every rank, with ``on_nonfinite=stop`` and NaN/Inf anywhere.
         RuntimeError: on every rank, when a CP attention kernel failed on any rank.
     """
-    shards = [_shard(setup, row) for row in rows]
+    agreement = StepAgreement()  # every row built first: one agreement collective for the whole step
+    shards = [_shard(setup, row, agreement) for row in rows]
     ce_sum = torch.zeros((), dtype=torch.float64, device=setup.device)
     tokens = torch.zeros((), dtype=torch.int64, device=setup.device)
     label_tokens = torch.zeros((), dtype=torch.int64, device=setup.device)
@@ -307,7 +316,8 @@ def train_step(
         ce_sum += micro_ce.detach().double()
         tokens += (~local["padding_mask"]).sum()
         label_tokens += (local["labels"] != IGNORE_INDEX).sum()
-    kv = states[-1].stats.kv_tokens_received if setup.meshes.cp.size() > 1 else 0
+    last = exchange_stats(states[-1]) if setup.meshes.cp.size() > 1 else None
+    kv = last["kv_tokens_received"] if last is not None else 0
     sums = {"ce_sum": ce_sum, "tokens": tokens, "label_tokens": label_tokens, "kv_tokens_received": kv}
     totals = _step_totals(setup, {**sums, "preempt": float(preempt())}, states, ce_sum)
     _raise_on_kernel_failures(setup, totals, states)
@@ -332,11 +342,11 @@ def train_step(
         loss=totals.sums["ce_sum"] / total_labels,
         grad_norm=grad_norm,
         tokens=int(totals.sums["tokens"]),
-        kv_path=states[-1].stats.path if setup.meshes.cp.size() > 1 else None,
+        kv_path=last["path"] if last is not None else None,
         kv_tokens_received=int(totals.sums["kv_tokens_received"]),
         skipped=report is not None,
         preempted=totals.sums["preempt"] > 0,
-        exchange_wait_s=sum(st.stats.exchange_wait_s + st.stats.exchange_backward_wait_s for st in states),
+        exchange_wait_s=sum(_exchange_wait_s(st) for st in states),
         loss_tokens=int(totals.sums["label_tokens"]),
     )
 

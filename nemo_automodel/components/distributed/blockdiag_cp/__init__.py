@@ -4,15 +4,18 @@ Packed training concatenates many documents into one row; correct attention is
 causal inside each document and blocked between them. This package shards such
 a row over ``cp`` ranks and keeps attention exactly block-diagonal:
 
-- :mod:`.state`    knob normalization, the typed per-step state and its thread-shared slot.
+- :mod:`.options`  ``CPOptions``, the one definition of the settings.
+- :mod:`.state`    the typed state of a packed row, the rows agreed together, the thread-shared slot.
 - :mod:`.layout`   document runs and each rank's segments, from replicated document ids.
-- :mod:`.kernels`  varlen metadata, the CPU kernels, the kernel registry and selection (``auto``).
-- :mod:`.gpu_kernels` the GPU kernels (fa3, flash, te, torch_varlen) and what each library needs.
+- :mod:`.metadata` kernel metadata, attention groups and the plan of one window.
+- :mod:`.kernels`  the kernel registry and selection (``auto``); :mod:`.cpu_kernels`, :mod:`.gpu_kernels`.
 - :mod:`.exchange` differentiable K/V collectives (all-gather, halo, all-to-all-v) and their plan.
-- :mod:`.runtime`  ``cp_blockdiag_sdpa`` and the collective-safe path decisions.
-- :mod:`.batch`    batch validation, padding, sharding and the per-step context.
+- :mod:`.runtime`  the core ``attend_row``, its SDPA adapter ``cp_blockdiag_sdpa``, the path decisions.
+- :mod:`.outside`  the one policy of the SDPA replacements for a call outside a packed row.
+- :mod:`.batch`    batch validation, padding, sharding and the row's context.
 - :mod:`.packed`   the ``cp_size == 1`` packed path for models calling stock SDPA.
-- :mod:`.consensus` collective agreement: failed-rank consensus, step agreement, guarded kernels.
+- :mod:`.consensus` collective agreement: the rows' agreement, the failure protocol, guarded kernels.
+- :mod:`.compat`   the seed's private functions and upstream's state forms.
 - :mod:`.cost`     the cost model behind ``kv_exchange=auto`` and ``layout=auto``.
 - :mod:`.plan`     the planner (library and ``python -m`` command line).
 - :mod:`.variant`  attention variants: sliding window, logit soft-cap, attention sinks.
@@ -20,6 +23,11 @@ a row over ``cp`` ranks and keeps attention exactly block-diagonal:
 """
 
 from nemo_automodel.components.distributed.blockdiag_cp.batch import ShardLayout, make_cp_blockdiag_batch_and_ctx
+from nemo_automodel.components.distributed.blockdiag_cp.consensus import (
+    failure_diagnostics,
+    failure_message,
+    failure_row,
+)
 from nemo_automodel.components.distributed.blockdiag_cp.packed import (
     attach_cp1_packed_varlen_hooks,
     cp1_packed_varlen_backend,
@@ -28,6 +36,8 @@ from nemo_automodel.components.distributed.blockdiag_cp.packed import (
     packed_varlen_sdpa,
 )
 from nemo_automodel.components.distributed.blockdiag_cp.runtime import (
+    attend_row,
+    attention_inputs_nonfinite,
     cp_blockdiag_sdpa,
     exchange_stats,
     nonfinite_attention_inputs,
@@ -37,6 +47,8 @@ from nemo_automodel.components.distributed.blockdiag_cp.runtime import (
 from nemo_automodel.components.distributed.blockdiag_cp.state import (
     BlockdiagCpModelState,
     CPOptions,
+    StepAgreement,
+    StepState,
     configure_cp_varlen,
     cp_attn_fire_count,
     cp_varlen_runtime_config,
@@ -50,7 +62,11 @@ __all__ = [
     "BlockdiagCpModelState",
     "CPOptions",
     "ShardLayout",
+    "StepAgreement",
+    "StepState",
     "attach_cp1_packed_varlen_hooks",
+    "attend_row",
+    "attention_inputs_nonfinite",
     "configure_cp_varlen",
     "cp1_packed_varlen_backend",
     "cp_attn_fire_count",
@@ -60,6 +76,9 @@ __all__ = [
     "disable_cp1_packed_varlen",
     "enable_cp1_packed_varlen",
     "exchange_stats",
+    "failure_diagnostics",
+    "failure_message",
+    "failure_row",
     "make_cp_blockdiag_batch_and_ctx",
     "nonfinite_attention_inputs",
     "packed_varlen_sdpa",

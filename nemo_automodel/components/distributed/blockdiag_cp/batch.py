@@ -206,6 +206,7 @@ def make_cp_blockdiag_batch_and_ctx(
     padding_token_id: int = 0,
     shard_primary: bool = True,
     options: state_module.CPOptions | None = None,
+    agreement: state_module.StepAgreement | None = None,
     attn_backend: str | None = None,
     kv_exchange: str | None = None,
     layout: str | None = None,
@@ -231,6 +232,9 @@ def make_cp_blockdiag_batch_and_ctx(
             rank's, ``padded_seq_len`` how far to pad); every other sequence-aligned field is sharded.
         options: The step's knobs (:class:`~.state.CPOptions`; ``None``: the process default
             of ``configure_cp_varlen`` with the knob arguments below applied).
+        agreement: The optimizer step's :class:`~.state.StepAgreement`: pass one to every row of a
+            step (``grad_accum`` rows) and all of them are agreed on by one collective, at the first
+            CP call of the step (``None``: this row is agreed on alone, at its own first call).
         attn_backend: Kernel for this step (``None``: from ``options`` / the default).
         kv_exchange: Exchange for this step.
         layout: ``contiguous``, ``balanced`` or ``auto``. The balanced layout reorders whole
@@ -294,6 +298,9 @@ def make_cp_blockdiag_batch_and_ctx(
             name, tensor, pad_len, fills.get(name, 0), row_offset, local_len, None if plan.is_identity else positions
         )
     step_state = _build_step_state(group, rank, plan, device, step_options)
+    if agreement is not None:
+        step_state.agreement = agreement
+    step_state.agreement.add(step_state)
 
     @contextlib.contextmanager
     def train_ctx(settle: bool = True) -> Iterator[StepState]:

@@ -8,6 +8,10 @@ Over the CP group:
   shapes with every other rank's (one all-reduce of fingerprints) and all raise the
   same error on a disagreement, before any path-dependent collective; later calls of
   the row are not re-checked;
+- the failure protocol a caller with its own step all-reduce folds into it (as the recipe does):
+  :func:`failure_row` (this rank's row of numbers to all-reduce), :func:`failure_message`
+  (the error every rank raises from everyone's rows) and :func:`failure_diagnostics` (this
+  rank's own lines);
 - :class:`GuardedKernel` (no collective): runs a kernel so that an exception, forward or
   backward, is recorded in the row's :class:`~.state.FailureLog` instead of unwinding one
   rank alone; the rank continues with zeros, and :func:`settle_step` (once per step, or
@@ -138,7 +142,7 @@ def failure_message(rows: Sequence[Sequence[int]], rank_name: Callable[[int], st
     )
 
 
-def diagnostics(logs: Sequence[FailureLog]) -> list[str]:
+def failure_diagnostics(logs: Sequence[FailureLog]) -> list[str]:
     """This rank's recorded failures, one line each."""
     return [
         f"{direction} of CP attention call {call}: {text}"
@@ -154,7 +158,7 @@ def settle_step(logs: Sequence[FailureLog], group: dist.ProcessGroup | None, dev
     One all-reduce of every rank's :data:`FailureRow` (after backward, so
     backward failures are included). Ranks are named by CP rank.
     """
-    mine = diagnostics(logs)
+    mine = failure_diagnostics(logs)
     for line in mine:
         logger.error("CP attention failed on this rank: %s", line)
     rows = _gather_rows(list(failure_row(logs)), group, device)

@@ -134,8 +134,14 @@ class ExchangeOp:
     return the work handles) and ``_finish``/``_finish_backward`` (after the
     handles completed). Forward moves the send buffer ``[T, F]`` and returns the
     received rows ``[R, F]``; backward moves their gradient the other way and
-    returns the send buffer's gradient ``[T, F]``. ``after_backward`` runs when the
-    reverse exchange completed (the runtime accounts its time there).
+    returns the send buffer's gradient ``[T, F]``. ``after_backward(op)`` runs when the
+    reverse exchange completed (the runtime accounts its time there); it takes the op as an argument
+    so the op never refers to itself (a reference cycle would keep its buffers alive until the
+    cyclic garbage collector runs).
+
+    Nothing outlives its use: the work handles (which reference the collective's buffers, the
+    received K/V among them) are dropped as soon as they completed, so an op kept by the autograd
+    graph (until the step's loss is freed, under activation checkpointing too) holds no tensor.
 
     Attributes:
         group: The CP process group.
@@ -144,7 +150,7 @@ class ExchangeOp:
     """
 
     group: dist.ProcessGroup
-    after_backward: Callable[[], None] | None = None
+    after_backward: Callable[[ExchangeOp], None] | None = None
     wait_s: float = 0.0
     backward_wait_s: float = 0.0
     _works: list[Any] = field(default_factory=list)
@@ -159,7 +165,7 @@ class ExchangeOp:
     def finish(self) -> torch.Tensor:
         """Block until the forward collective completed; returns the received rows ``[R, F]``."""
         self.wait_s += _wait(self._works)
-        out, self._buffer = self._finish(), None
+        out, self._buffer, self._works = self._finish(), None, []
         return out
 
     def start_backward(self, grad: torch.Tensor) -> None:
@@ -169,9 +175,9 @@ class ExchangeOp:
     def finish_backward(self) -> torch.Tensor:
         """Block until the reverse collective completed; returns the send buffer's gradient ``[T, F]``."""
         self.backward_wait_s += _wait(self._works)
-        grad, self._buffer = self._finish_backward(), None
+        grad, self._buffer, self._works = self._finish_backward(), None, []
         if self.after_backward is not None:
-            self.after_backward()
+            self.after_backward(self)
         return grad
 
     def _start(self, send: torch.Tensor) -> list[Any]:
@@ -304,7 +310,8 @@ class _Post(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, _unused: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return ctx.op.finish_backward(), None
+        op, ctx.op = ctx.op, None  # the layer's last exchange node: release the op with it
+        return op.finish_backward(), None
 
 
 class _Wait(torch.autograd.Function):

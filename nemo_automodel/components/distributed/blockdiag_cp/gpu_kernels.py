@@ -1,8 +1,9 @@
 """GPU varlen kernels: one library call (or, for the boundary guard, a few) per group of segments.
 
 Each kernel takes the libraries' own token-major (THD) format: the real queries
-``q [n_real, Hq, D]`` and packed keys/values ``k [K, Hkv, D]``, ``v [K, Hkv, Dv]``
-(contiguous) described by a :class:`~.metadata.VarlenMeta`, and returns the output
+``q [n_real, Hq, D]`` (possibly a strided view: the kernel packs them with at most one
+copy, straight into the rows it launches) and packed keys/values ``k [K, Hkv, D]``,
+``v [K, Hkv, Dv]`` (contiguous) described by a :class:`~.metadata.VarlenMeta`, and returns the output
 ``[n_real, Hq, Dv]`` as row pieces (:data:`Pieces`: one per library call, in row order),
 which the caller writes once to where the model reads them (:mod:`.kernel_io`).
 What each library can run is decided in :mod:`.gpu_libraries` from facts probed once;
@@ -52,9 +53,25 @@ _TORCH_SDPA = F.scaled_dot_product_attention
 
 
 def reset_caches() -> None:
-    """Forget every probe and TE module (tests that swap packages in and out)."""
+    """Forget every probe, TE module and per-call verdict (tests that swap packages in and out)."""
     libs_.reset_probes()
     _TE_MODULES.clear()
+    _VERDICTS.clear()
+
+
+# Host verdicts every layer of a step would otherwise recompute (variant re-checks, TE's backend):
+# (what, kernel, the call's facts, the libraries) -> the verdict.
+_VERDICTS: dict[tuple[Any, ...], Any] = {}
+
+
+def _once(what: str, kernel: str, call: KernelCall, libs: GpuLibraries, compute: Callable[[], Any]) -> Any:
+    """``compute()`` once per kind of verdict, kernel, call shape, variant and probed libraries."""
+    v = call.variant
+    shape = (call.dtype, call.head_dim, call.value_head_dim, call.dropout_p)
+    key = (what, kernel, shape, v.window, v.chunk, v.softcap, v.sinks is not None, v.source, libs)
+    if key not in _VERDICTS:
+        _VERDICTS[key] = compute()
+    return _VERDICTS[key]
 
 
 # ---------------------------------------------------------------------------
@@ -329,7 +346,7 @@ def _flash_family(
         seqlens = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "max_seqlen_q": max_q, "max_seqlen_k": max_k}
         return _first(functions.varlen(qs, ks, vs, **seqlens, **options))
 
-    return boundary_guarded(q, k, v, meta, fixed, varlen)
+    return boundary_guarded(q.contiguous(), k, v, meta, fixed, varlen)
 
 
 def _flash_library(
@@ -347,7 +364,8 @@ def _flash_library(
     facts, variant_check = (
         (libs.flash, flash_variant_problem) if library == "flash" else (libs.fa3, fa3_variant_problem)
     )
-    _require(None if variant.plain else variant_check(_call_of(q, v, dropout_p, variant), libs))
+    call = _call_of(q, v, dropout_p, variant)
+    _require(None if variant.plain else _once("variant", library, call, libs, lambda: variant_check(call, libs)))
     if library == "fa3" and dropout_p > 0:
         raise ValueError("fa3 has no dropout; attn_backend='fa3' needs dropout_p=0")
     _require(facts.problem)
@@ -405,7 +423,9 @@ def torch_varlen(
     windowed ones are made square by :func:`_square_windowed`.
     """
     libs = probe_gpu_libraries(q.device)
-    _require(torch_varlen_variant_problem(_call_of(q, v, dropout_p, variant), libs) if not variant.plain else None)
+    call = _call_of(q, v, dropout_p, variant)
+    check = lambda: torch_varlen_variant_problem(call, libs)  # noqa: E731
+    _require(None if variant.plain else _once("variant", "torch_varlen", call, libs, check))
     if dropout_p > 0:
         raise ValueError("torch_varlen has no dropout; attn_backend='torch_varlen' needs dropout_p=0")
     _require(libs.torch_varlen.problem)
@@ -436,7 +456,7 @@ def torch_varlen(
 
     if meta.window is not None:
         return _square_windowed(q, k, v, meta, varlen)
-    return boundary_guarded(q, k, v, meta, fixed, varlen)
+    return boundary_guarded(q.contiguous(), k, v, meta, fixed, varlen)
 
 
 @dataclass(frozen=True)
@@ -478,10 +498,11 @@ def _square_windowed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Va
     ``r`` sees keys ``[r - W + 1, r]``; the real row ``a`` sits at ``r = k - q + a``,
     its bottom-right window. Dummy rows' outputs are dropped, so their gradient is
     zero and they contribute nothing to dK/dV. The real rows go in with one
-    ``index_copy`` and come out as views (one piece per run of real rows).
+    ``index_copy`` (from a strided ``q`` too: the query's only pack) and come out as
+    views (one piece per run of real rows).
     """
     if all(q_len == k_len for q_len, k_len in zip(meta.q_lens, meta.k_lens)):
-        return (varlen(q, k, v, meta.cu_q, meta.cu_k, meta.max_q, meta.max_k),)
+        return (varlen(q.contiguous(), k, v, meta.cu_q, meta.cu_k, meta.max_q, meta.max_k),)
     rows = square_rows(meta)
     square = q.new_zeros(rows.total, *q.shape[1:]).index_copy_(0, rows.real, q)
     out = varlen(square, k, v, meta.cu_k, meta.cu_k, meta.max_k, meta.max_k)
@@ -560,7 +581,7 @@ def te(
     """
     libs = probe_gpu_libraries(q.device)
     call = _call_of(q, v, dropout_p, variant)
-    _require(te_variant_problem(call, libs) if not variant.plain else None)
+    _require(None if variant.plain else _once("variant", "te", call, libs, lambda: te_variant_problem(call, libs)))
     _require(libs.te.problem)
     key = TEModuleKey(q.shape[1], k.shape[1], q.shape[2], v.shape[2], scale, dropout_p, str(q.device), meta.window)
     heads = q.shape[1]
@@ -584,6 +605,7 @@ def te(
         out = te_module(replace(key, qkv_format="bshd"), libs)(qs[None], ks[None], vs[None])
         return out.view(qs.shape[0], heads, -1)
 
-    if libs_.te_guards_boundaries(libs.te, libs.device, call):
+    q = q.contiguous()
+    if _once("guard", "te", call, libs, lambda: libs_.te_guards_boundaries(libs.te, libs.device, call)):
         return boundary_guarded(q, k, v, meta, fixed, varlen)
     return (varlen(q, k, v, meta.cu_q, meta.cu_k, meta.max_q, meta.max_k),)

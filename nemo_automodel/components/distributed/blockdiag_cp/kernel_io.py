@@ -3,11 +3,13 @@
 Two formats (:data:`KernelLayout`):
 
 - ``bhsd``: ``[1, H, n, D]`` (the CPU kernels: SDPA takes any strides);
-- ``thd``: token-major ``[n, H, D]``, contiguous (the GPU varlen libraries).
+- ``thd``: token-major ``[n, H, D]`` (the GPU varlen libraries): keys and values contiguous,
+  queries possibly a strided view that the kernel packs once, straight into the rows it launches.
 
 Models produce q/k/v as ``[1, H, L, D]`` views of token-major projections and read
 the output back token-major (``out.transpose(1, 2)``). So for ``thd`` kernels the
-queries are packed with at most one copy (none when they are token-major already),
+queries are packed with at most one copy (none when they are token-major already; by
+the kernel, which knows the rows it launches),
 the keys and values are assembled token-major straight from the local and received
 chunks (the one copy that gathers them), and every group's output is written once
 into a token-major ``[L, Hq, Dv]`` buffer whose ``[1, Hq, L, Dv]`` view is returned:
@@ -41,21 +43,20 @@ def query_parts(
     """Each group's queries in the kernel's format, and the padding rows ``[1, Hq, L - n_real, D]``.
 
     One ``split`` when every group's rows are contiguous (they then tile the real rows in
-    order): autograd fills one gradient for it, not one per slice. Scattered rows (the
-    balanced layout) are gathered with one ``index_select``, straight into the format.
+    order): autograd fills one gradient for it, not one per slice. For ``thd`` these are
+    token-major views (the kernel packs them); scattered rows (the balanced layout) are
+    gathered with one ``index_select``, straight into the format.
     """
     padding = query[:, :, n_real:]
     if all(isinstance(r, tuple) for r in rows):
         sizes = [r[1] - r[0] for r in rows]  # type: ignore[index]
         if layout == "bhsd":
             return list(query.split([*sizes, query.shape[2] - n_real], dim=2)[:-1]), padding
-        parts = tokens(query).split([*sizes, query.shape[2] - n_real], dim=0)[:-1]
-        return [p.contiguous() for p in parts], padding
+        return list(tokens(query).split([*sizes, query.shape[2] - n_real], dim=0)[:-1]), padding
     if layout == "bhsd":
         return [query[:, :, r[0] : r[1]] if isinstance(r, tuple) else query.index_select(2, r) for r in rows], padding
     return [
-        tokens(query)[r[0] : r[1]].contiguous() if isinstance(r, tuple) else tokens(query).index_select(0, r)
-        for r in rows
+        tokens(query)[r[0] : r[1]] if isinstance(r, tuple) else tokens(query).index_select(0, r) for r in rows
     ], padding
 
 

@@ -25,7 +25,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -281,15 +281,17 @@ def _agreement_fields(
     """What every CP rank of a row must agree on: every setting, resolved kernel, path and layout, lengths, shapes.
 
     Every field of :class:`~.options.CPOptions` but the caller's cost-model hint ``attn_shape`` (its effect,
-    the resolved layout, is agreed): a new setting is agreed without touching this function.
+    the resolved layout, is agreed): a new setting is agreed without touching this function. The q/k/v
+    shapes are the call's with the row's local length (the rows of one step differ only there).
     """
     plan = state.shard_plan
     settings = {f.name: getattr(state.options, f.name) for f in dataclasses.fields(state.options)}
     del settings["attn_shape"]
+    length = state.local_len
     return {
         "cp_size": state.cp_size,
         "sequence length": plan.runs.total_len,
-        "local length": state.local_len,
+        "local length": length,
         **settings,
         "resolved kernel": kernel,
         "resolved kv path": route.path,
@@ -297,37 +299,59 @@ def _agreement_fields(
         "document layout": (plan.runs.starts, plan.runs.ends, plan.pieces),
         "attention variant": tuple(variant.features()),
         "query/key/value shapes and dtype": (
-            tuple(query.shape),
-            tuple(key.shape),
-            tuple(value.shape),
+            (*query.shape[:2], length, query.shape[3]),
+            (*key.shape[:2], length, key.shape[3]),
+            (*value.shape[:2], length, value.shape[3]),
             str(query.dtype),
         ),
     }
 
 
-def _agree_on_step(
+def _row_fields(
+    row: StepState,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout_p: float,
+    variant: AttentionVariant,
+    shape: cost.Shape,
+) -> dict[str, Any]:
+    """:func:`_agreement_fields` of ``row`` for this call's q/k/v (the row's kernel and route decided now)."""
+    if row.cache.shape is None:  # the step's rows run one model: the first call's shape is every row's
+        row.cache.shape = shape
+    kernel, unavailable = _kernel_for(row, query, value, dropout_p, variant)
+    route = _route(row, query.device, kernel, variant)
+    return _agreement_fields(row, query, key, value, kernel or f"unavailable: {unavailable}", route, variant)
+
+
+def _agree_on_rows(
     state: StepState,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    kernel: str,
-    route: Route,
+    dropout_p: float,
     variant: AttentionVariant,
 ) -> None:
-    """On the step's first call: every rank must run the same configuration on the same layout.
+    """At the optimizer step's first CP call: every rank must run the same configuration on the same rows.
 
-    One all-reduce, before any path-dependent collective, so a disagreement (a
-    rank with different options, kernel availability, exchange path, sequence
-    length, document layout or q/k/v shape) makes every rank raise the same
-    error instead of hanging in mismatched collectives. Later calls are not
-    re-checked (a rank whose shapes change mid-step while its peers' do not is
-    not detected).
+    One all-reduce for all rows of the step (``state.agreement``: ``grad_accum`` rows, or this row
+    alone), before any path-dependent collective, so a disagreement (a rank with different
+    options, kernel availability, exchange path, sequence length, document layout or q/k/v shape,
+    in any of the rows, or a different number of rows) makes every rank raise the same error
+    instead of hanging in mismatched collectives. Later calls are not re-checked: their kernel
+    and path were decided here from the same replicated inputs (a rank whose shapes change
+    mid-step while its peers' do not is not detected).
     """
-    if state.cache.agreed or state.cp_size == 1:
+    scope = state.agreement
+    if scope.agreed:
         return
-    fields = _agreement_fields(state, query, key, value, kernel, route, variant)
-    consensus.check_step_agreement(fields, state.group, query.device)
-    state.cache.agreed = True
+    if state.cp_size > 1:
+        shape = state.cache.shape or cost.Shape()
+        rows = [_row_fields(row, query, key, value, dropout_p, variant, shape) for row in scope.rows]
+        # the same field names on every rank, whatever its number of rows: a collective of one size
+        fields = rows[0] if len(rows) == 1 else {name: tuple(row[name] for row in rows) for name in rows[0]}
+        consensus.check_step_agreement({**fields, "rows agreed at once": len(rows)}, state.group, query.device)
+    scope.agreed = True
 
 
 def _run_group(
@@ -379,7 +403,7 @@ def _attend(
     token = received = None
     if state.cp_size > 1:
         op = route.new_op(state.group, state.cp_rank, state.cp_size)
-        op.after_backward = functools.partial(_after_backward, state, op, recorder, query.device)
+        op.after_backward = functools.partial(_after_backward, state, recorder, query.device)
         token = exchange.post(exchange.send_buffer(key, value, local, route.send_chunks), op)
         if not state.options.overlap:
             received = exchange.wait(token, op)
@@ -411,7 +435,7 @@ def _attend(
     return out
 
 
-def _after_backward(state: StepState, op: ExchangeOp, recorder: CallRecorder, device: torch.device) -> None:
+def _after_backward(state: StepState, recorder: CallRecorder, device: torch.device, op: ExchangeOp) -> None:
     """Runs when a layer's reverse exchange completed: account its wait (and, per call, agree on failures)."""
     state.stats.exchange_backward_wait_s += op.backward_wait_s
     if state.options.consensus == "call":
@@ -479,7 +503,7 @@ def attend_row(
         state.cache.shape = cost.Shape(query.shape[1], key.shape[1], query.shape[3], query.element_size())
     kernel, unavailable = _kernel_for(state, query, value, dropout_p, variant)
     route = _route(state, query.device, kernel, variant)
-    _agree_on_step(state, query, key, value, kernel or f"unavailable: {unavailable}", route, variant)
+    _agree_on_rows(state, query, key, value, dropout_p, variant)
     if unavailable is not None:  # every rank agreed that it cannot run: all raise here, together
         raise unavailable
     plan = state.cache.windows[variant.plan_key]
@@ -508,7 +532,7 @@ def _attend_heads(
 ) -> torch.Tensor:
     """``kv_exchange="ulysses"`` (:mod:`.ulysses`), with the per-call consensus and accounting of the key exchanges."""
     device = query.device
-    after_backward = functools.partial(_after_backward, state, recorder=recorder, device=device)
+    after_backward = functools.partial(_after_backward, state, recorder, device)
     out = ulysses.attend(state, kernel, query, key, value, scale, dropout_p, variant, recorder, after_backward)
     if state.options.consensus == "call":
         _settle_call(state, recorder, "forward", device)
@@ -585,6 +609,17 @@ def _record_stats(
         route.received_tokens,
         plan.segments.remote_kv_tokens,
     )
+
+
+def attention_inputs_nonfinite(rows: Sequence[StepState], device: torch.device) -> torch.Tensor:
+    """Device scalar ``float64``: did any CP attention call of ``rows`` see NaN/Inf in q, k or v (no host sync).
+
+    For a caller that folds the flag into its own step all-reduce (``check_finite=True`` records it per call).
+    """
+    flags = [flag for row in rows for flag in row.cache.finite]
+    if not flags:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return (~torch.stack(flags).all()).double()
 
 
 def nonfinite_attention_inputs(state: StepState | None = None) -> list[str]:

@@ -92,7 +92,6 @@ class StepCache:
 
     Attributes:
         windows: Per sliding window (``None``: full causal) or ``("chunk", C)``, this rank's :class:`WindowPlan`.
-        agreed: Whether the step-start agreement check passed.
         kernel: Per call signature, the concrete kernel, or why the requested one cannot run.
         shape: The attention shape of the first call (for the cost model).
         finite: Per CP call, a device bool ``[3]``: are q, k, v all finite (no host sync).
@@ -101,7 +100,6 @@ class StepCache:
     """
 
     windows: dict[PlanKey, WindowPlan] = field(default_factory=dict)
-    agreed: bool = False
     kernel: dict[KernelKey, tuple[str | None, Exception | None]] = field(default_factory=dict)
     shape: Shape | None = None
     finite: list[torch.Tensor] = field(default_factory=list)
@@ -162,6 +160,35 @@ class FailureLog:
 
     def __bool__(self) -> bool:
         return bool(self.forward or self.backward)
+
+
+@dataclass(eq=False)
+class StepAgreement:
+    """The packed rows of one optimizer step, agreed on by one collective (whatever ``grad_accum`` is).
+
+    The first CP attention call of any of its rows fingerprints every row (settings, lengths,
+    document layout, resolved kernel and exchange path) and runs the one agreement all-reduce;
+    the other rows' calls then agree on nothing. Every row must be built (added here) before
+    that first call, which the batch builder enforces.
+
+    Attributes:
+        rows: The step's row states, in build order (micro-batch order).
+        agreed: Whether the agreement ran.
+    """
+
+    rows: list[StepState] = field(default_factory=list)
+    agreed: bool = False
+
+    def add(self, row: StepState) -> None:
+        """Add ``row`` (same process group as the rows already added; before the agreement ran)."""
+        if self.agreed:
+            raise ValueError(
+                "agreement: this optimizer step's rows were already agreed on; build every row of the step (and "
+                "pass the same StepAgreement to each) before the first forward, or pass a new StepAgreement"
+            )
+        if self.rows and self.rows[0].group is not row.group:
+            raise ValueError("agreement: the rows of one StepAgreement must share one CP process group")
+        self.rows.append(row)
 
 
 @dataclass(frozen=True)
@@ -237,6 +264,7 @@ class StepState:
         hosts: Where the group's ranks run, gathered when the row was built (``None``: one rank; a
             state built by hand without them is taken to run on one host).
         libraries: The GPU libraries probed when the row was built (``None``: probed at the first call).
+        agreement: The rows agreed on together with this one (the builder adds the row to it).
         cache: Per-step memo (per-window plans and routes, agreement, kernel).
         stats: What the calls did (path, K/V received, time blocked on exchanges).
         failures: Kernel failures recorded on this rank, settled once per step.
@@ -254,6 +282,7 @@ class StepState:
     options: CPOptions = field(default_factory=CPOptions)
     hosts: GroupHosts | None = None
     libraries: GpuLibraries | None = None
+    agreement: StepAgreement = field(default_factory=StepAgreement)
     cache: StepCache = field(default_factory=StepCache)
     stats: StepStats = field(default_factory=StepStats)
     failures: FailureLog = field(default_factory=FailureLog)

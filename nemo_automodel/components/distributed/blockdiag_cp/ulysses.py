@@ -27,6 +27,7 @@ all-to-alls inside the call (``overlap`` has no effect on this path).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import torch
@@ -158,14 +159,14 @@ def attend(
     widths = [plan.split.width(d, head_dim, value_dim) for d in range(cp)]
     sent, received_counts = [local_len * w for w in widths], [local_len * widths[rank]] * cp
     inputs = AllToAllOp(state.group, send_counts=sent, recv_counts=received_counts)
-    inputs.after_backward = lambda: after_backward(inputs)
+    inputs.after_backward = after_backward
     received = exchange.wait(exchange.post(_pack_inputs(plan, query, key, value), inputs), inputs)
     q, k, v = _unpack_inputs(plan, received, rank, widths[rank], head_dim, value_dim)
     out = _attend_row(plan, rank, kernel, q, k, v, scale, dropout_p, variant, recorder)
     mine = local_len * plan.split.n_query(rank) * value_dim
     theirs = [local_len * plan.split.n_query(s) * value_dim for s in range(cp)]
     outputs = AllToAllOp(state.group, send_counts=[mine] * cp, recv_counts=theirs)
-    outputs.after_backward = lambda: _account_backward(state, outputs)
+    outputs.after_backward = functools.partial(_account_backward, state)
     returned = exchange.wait(exchange.post(_pack_output(plan, out), outputs), outputs)
     state.stats.exchange_wait_s += inputs.wait_s + outputs.wait_s
     state.stats.exchange_calls += 2

@@ -1,10 +1,12 @@
-"""Single-process float64 reference for block-diagonal causal attention."""
+"""Single-process references: float64 block-diagonal causal attention, and the packer's per-document loops."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+
+from nemo_automodel.components.datasets.formats import Document
 
 
 def blockdiag_allowed(doc_ids: torch.Tensor, window: int | None = None, chunk: int | None = None) -> torch.Tensor:
@@ -112,8 +114,6 @@ def segments_reference(
 def fit_to_row_reference(documents: list[Any], seq_len: int, long_documents: str) -> list[Any]:
     """The packer's original per-document fit (the oracle of ``packing.fit_to_row`` over flat arrays): empty
     documents dropped, longer ones ``split`` into ``seq_len`` chunks or ``truncate``d; each a ``Document``."""
-    from nemo_automodel.components.datasets.formats import Document
-
     fitted = []
     for doc in documents:
         targets = [True] * len(doc.ids) if doc.targets is None else list(doc.targets)
