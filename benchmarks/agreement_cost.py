@@ -1,11 +1,11 @@
 """What the step agreement check costs per step, next to one attention layer.
 
-On the first CP call of every step, every rank fingerprints its configuration,
-lengths, document layout and q/k shapes and all-reduces a ``[cp, 9]`` int64
-table (``runtime._agree_on_step``); a disagreement raises on every rank. This
+On the first CP call of every optimizer step, every rank fingerprints its rows' configuration,
+lengths, document layout and q/k shapes and all-reduces a ``[cp, n]`` int64
+table (``runtime._agree_on_rows``); a disagreement raises on every rank. This
 measures, on ``cp`` gloo ranks of this machine, the median of:
 
-- ``agreement``: one ``_agree_on_step`` (fingerprints + the all-reduce), after a barrier;
+- ``agreement``: one ``_agree_on_rows`` of one row (fingerprints + the all-reduce), after a barrier;
 - ``fingerprints``: its host part alone (hashing the fields);
 - ``layer``: one attention layer of the same step, ``cp_blockdiag_sdpa`` forward + backward
   (the exchange, kernels, and the per-call failure consensus), agreement already done.
@@ -86,13 +86,13 @@ def _measure(work: Workload) -> dict[str, float]:
     k, v = (torch.randn(1, work.kv_heads, shard.local_len, work.head_dim, generator=gen) for _ in range(2))
     k.requires_grad_(), v.requires_grad_()
     with ctx() as state:
-        route = runtime._route(state, q.device)
         plain = AttentionVariant()
         kernel = runtime._kernel_for(state, q, v, 0.0, plain)[0]
+        route = runtime._route(state, q.device, kernel, plain)
 
         def agreement() -> None:
-            state.cache.agreed = False
-            runtime._agree_on_step(state, q, k, v, kernel, route, plain)
+            state.agreement.agreed = False
+            runtime._agree_on_rows(state, q, k, v, 0.0, plain)
 
         def fingerprints() -> None:
             for value in runtime._agreement_fields(state, q, k, v, kernel, route).values():

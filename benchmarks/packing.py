@@ -1,6 +1,7 @@
 """Packing time: this project's O(n log n) first fit vs NeMo's scanning first fit, same bins.
 
-    python benchmarks/packing.py                 # 10k/20k/40k documents vs NeMo, then 1M with ours only
+    python benchmarks/packing.py                 # 10k/20k/40k documents vs NeMo, then 1M with ours only (first fit,
+                                                 # then pack_documents end to end: wall, CPU, peak RSS)
     python benchmarks/packing.py --sizes 20000 --big 0
     python benchmarks/packing.py --fill 100000      # the row fill: vectorized vs the per-document loop
 
@@ -16,13 +17,21 @@ from __future__ import annotations
 
 import argparse
 import random
+import resource
 import time
 
+import numpy as np
 import torch
 
 from nemo_automodel.components.datasets.documents import DocumentTable
 from nemo_automodel.components.datasets.formats import Document
-from nemo_automodel.components.datasets.packing import assign_to_rows, fill_rows, first_fit, pack_order
+from nemo_automodel.components.datasets.packing import (
+    assign_to_rows,
+    fill_rows,
+    first_fit,
+    pack_documents,
+    pack_order,
+)
 from nemo_automodel.testing.reference import fill_rows_reference
 
 
@@ -84,6 +93,26 @@ def main() -> None:
             began = time.perf_counter()
             bins = first_fit(pack_order(lengths, algorithm, seed=1234), args.seq_len)
             print(f"{args.big:>9} {algorithm:<22} {'-':>8} {time.perf_counter() - began:>8.2f}  ({len(bins)} rows)")
+        _pack_all(lengths, args.seq_len)
+
+
+def _pack_all(lengths: list[int], seq_len: int) -> None:
+    """``pack_documents`` end to end (fit, first fit, fill) on a table of documents of ``lengths``, as the recipe
+    holds them; wall and CPU seconds, and the peak RSS of the process."""
+    gen = np.random.default_rng(0)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    table = DocumentTable(
+        gen.integers(0, 32000, int(offsets[-1]), dtype=np.int32), gen.random(int(offsets[-1])) < 0.5, offsets
+    )
+    began, cpu = time.perf_counter(), time.process_time()
+    rows = pack_documents(table, seq_len, "first_fit_shuffle", pad_id=0, seed=1234)
+    wall, cpu = time.perf_counter() - began, time.process_time() - cpu
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(
+        f"pack_documents, {len(lengths)} documents ({int(offsets[-1])} tokens) -> {len(rows)} rows of {seq_len}: "
+        f"{wall:.1f} s wall, {cpu:.1f} s CPU; peak RSS {peak:.2f} GiB (table {table.ids.nbytes * 5 / 4 / 2**30:.2f} "
+        f"GiB, rows {4 * rows.input_ids.nbytes / 2**30:.2f} GiB)"
+    )
 
 
 if __name__ == "__main__":

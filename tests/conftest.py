@@ -21,7 +21,7 @@ def _no_leftover_state():
     """Every test starts and must end with no active step state and default knobs."""
     state_module.configure_cp_varlen()
     yield
-    leftover = state_module.current_step_state()
-    state_module._STEP_STATE.set(None)
+    leftover = state_module.current_row_state()
+    state_module._ROW_STATE.set(None)
     state_module.configure_cp_varlen()
     assert leftover is None, "a test left a block-diagonal CP step state active"

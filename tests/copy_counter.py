@@ -165,8 +165,11 @@ def opaque_libraries() -> Iterator[None]:
     patches.append(_patched(gpu_kernels, "causal_lower_right", _outside_modes(gpu_kernels.causal_lower_right)))
     for name in ("send_buffer", "post", "wait"):
         patches.append(_patched(exchange, name, _uncounted(getattr(exchange, name))))
+    # the exchange's backward (reverse collectives) and the library's own backward (inside the guard)
+    for owner in (exchange._Post, exchange._Wait, consensus.GuardedKernel):
+        patches.append(_patched(owner, "backward", staticmethod(_uncounted(owner.backward))))
     # the step's agreement runs once per step, not per call
-    patches.append(_patched(consensus, "check_step_agreement", _uncounted(consensus.check_step_agreement)))
+    patches.append(_patched(consensus, "check_agreement", _uncounted(consensus.check_agreement)))
     gpu_kernels.reset_caches()
     try:
         yield

@@ -7,7 +7,7 @@ import inspect
 import torch
 import torch.distributed as dist
 
-from nemo_automodel.components.distributed.blockdiag_cp import compat, make_cp_blockdiag_batch_and_ctx
+from nemo_automodel.components.distributed.blockdiag_cp import compat, consensus, make_cp_blockdiag_batch_and_ctx, state
 from nemo_automodel.components.distributed.blockdiag_cp.state import BlockdiagCpModelState
 from nemo_automodel.testing.cases import cp_mesh, layout
 from nemo_automodel.testing.syncs import count_syncs
@@ -50,3 +50,10 @@ def test_model_state_is_buildable_from_upstreams_three_fields():
     view = BlockdiagCpModelState(None, cu, cu)
     assert (view.cp_rank, view.cp_size, view.local_len, view.padded_seq_len, view.row_offset) == (0, 1, 12, 12, 0)
     assert view.layout == "contiguous" and view.positions.tolist() == list(range(12))
+
+
+def test_retired_names_stay_importable_from_compat():
+    """The names from before "step" meant only the optimizer step are the renamed objects themselves."""
+    assert compat.StepState is state.RowState and compat.StepCache is state.RowCache
+    assert compat.current_step_state is state.current_row_state
+    assert compat.check_step_agreement is consensus.check_agreement and compat.settle_step is consensus.settle_failures

@@ -40,7 +40,7 @@ def _two_rows_without_context() -> tuple[list[str], bool, set[str]]:
     torch.manual_seed(0)
     q = torch.randn(1, 4, shard.local_len, 8, dtype=torch.float64, requires_grad=True)
     kv = torch.randn(1, 2, shard.local_len, 8, dtype=torch.float64, requires_grad=True)
-    assert state.current_step_state() is None
+    assert state.current_row_state() is None
     with mutable_globals_read() as read:
         for row in rows + rows:
             out = runtime.attend_row(row, q, kv, kv, enable_gqa=True)
@@ -69,4 +69,4 @@ def _adapter_reads_the_slot() -> set[str]:
 def test_the_sdpa_adapter_adds_only_the_slot(pools):
     """The profile sees process state: through the adapter, the slot is read (the check above can fail)."""
     for read in pools.get(2).run_ok(_adapter_reads_the_slot):
-        assert read - READ_ONLY == {"state._STEP_STATE"}
+        assert read - READ_ONLY == {"state._ROW_STATE"}

@@ -696,7 +696,12 @@ VARIANTS = {
     "sinks": (AttentionVariant(sinks=torch.zeros(4), source="GptOssForCausalLM layer 1"), "s_aux (attention sinks)"),
 }
 # What each kernel computes with the stand-ins' libraries (flash-attn 2.8.3, FA3 main, TE 2.20, torch 2.13).
-COMPUTES = {"flash": {"window", "softcap"}, "fa3": {"window", "softcap"}, "te": {"window"}, "torch_varlen": {"window"}}
+COMPUTES = {
+    "flash": {"window", "softcap", "sinks"},
+    "fa3": {"window", "softcap"},
+    "te": {"window"},
+    "torch_varlen": {"window"},
+}
 
 
 def _escaped(text: str) -> str:
@@ -755,7 +760,7 @@ def _gaps_torch(*parameters: str) -> set[str]:
 @pytest.mark.parametrize(
     ("gaps", "want"),
     [
-        (lambda: set(gpu_libraries.flash_gaps()), {"sinks"}),
+        (lambda: set(gpu_libraries.flash_gaps(gpu_libraries.FlashFacts(None, (2, 8, 3)))), {"sinks"}),  # no pair
         (lambda: _gaps_fa3("q", "causal"), {"window", "softcap", "sinks"}),
         (lambda: _gaps_fa3("window_size"), {"softcap", "sinks"}),  # 2024-08..2025-01
         (lambda: _gaps_fa3("window_size", "softcap"), {"sinks"}),
@@ -813,3 +818,82 @@ def test_gpu_kernels_compute_windows_and_softcaps_exactly(kernel, window, softca
     if window is not None and window < 9:  # the window really changed something (not a no-op)
         plain = segments_reference(q, k, v, meta, scale=0.4, softcap=softcap)
         assert not torch.allclose(want, plain)
+
+
+# ----------------------------------------------------------------------------- sinks on flash-attn 2's private pair
+
+# flash_attn/flash_attn_interface.py, parameter for parameter with defaults: v2.6.2 (lines 48-200; v2.6.3 the same)
+# and v2.8.3 (lines 76-400; v2.7.0 to v2.8.2 the same up to zero_tensors, added in v2.7.4).
+FA2_LSE = {
+    "2.6.3": {
+        "_flash_attn_forward": "q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, "
+        "return_softmax",
+        "_flash_attn_varlen_forward": "q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, "
+        "softmax_scale, causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, return_softmax=False, "
+        "block_table=None, leftpad_k=None, seqused_k=None",
+        "_flash_attn_backward": "dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, "
+        "window_size, softcap, alibi_slopes, deterministic, rng_state=None",
+        "_flash_attn_varlen_backward": "dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, "
+        "max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, "
+        "deterministic, rng_state=None",
+    },
+    "2.8.3": {
+        "_flash_attn_forward": "q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, "
+        "softcap, alibi_slopes, return_softmax",
+        "_flash_attn_varlen_forward": "q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, "
+        "softmax_scale, causal, window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None, "
+        "return_softmax=False, block_table=None, leftpad_k=None, seqused_k=None, zero_tensors=False",
+        "_flash_attn_backward": "dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, "
+        "window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state=None",
+        "_flash_attn_varlen_backward": "dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, "
+        "max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left, window_size_right, "
+        "softcap, alibi_slopes, deterministic, rng_state=None, zero_tensors=False",
+    },
+}
+
+
+@pytest.mark.parametrize("release", sorted(FA2_LSE))
+def test_flash_private_pair_stand_ins_have_the_real_signatures(release):
+    from tests.fakes.machine import Machine
+
+    with fake_kernels(machine=Machine(flash=release)):
+        module = importlib.import_module("flash_attn.flash_attn_interface")
+        for name, want in FA2_LSE[release].items():
+            assert str(inspect.signature(getattr(module, name)))[1:-1] == want, name
+        assert _libraries().flash.lse is not None and _libraries().flash.lse.split_window == (release >= "2.7")
+
+
+SINK_CASES = [(None, None), (None, 1.5), (3, None), (6, 2.0), (1, None)]
+
+
+@pytest.mark.parametrize("release", sorted(FA2_LSE))
+@pytest.mark.parametrize(("window", "softcap"), SINK_CASES)
+@pytest.mark.parametrize("heads", [(4, 2), (2, 2)])
+def test_flash_computes_sinks_exactly_through_its_private_pair(release, window, softcap, heads):
+    """Sinks on flash: forward, dq/dk/dv and the sinks' gradient equal the explicit-score ``dense`` kernel, with
+    straddling segments (fixed-length calls) first and inside, on both eras of the private pair."""
+    from tests.fakes.machine import Machine
+
+    q_lens, k_lens = (5, 4, 3, 6), (9, 4, 7, 6)
+    meta = kernels.build_varlen_meta(q_lens, k_lens, sum(q_lens) + 2, "cpu", window=window)
+    gen = torch.Generator().manual_seed(3)
+    shapes = ((heads[0], meta.local_len), (heads[1], meta.kv_len), (heads[1], meta.kv_len))
+    q, k, v = (torch.randn(1, h, n, 8, generator=gen, dtype=torch.float64, requires_grad=True) for h, n in shapes)
+    sinks = torch.linspace(-1.0, 1.5, heads[0], dtype=torch.float64, requires_grad=True)
+    variant = AttentionVariant(window=window, softcap=softcap, sinks=sinks, source="test layer")
+    with fake_kernels(machine=Machine(flash=release)):
+        assert kernels.kernel_unavailable_reason("flash", torch.float64, torch.device("cpu"), variant=variant) is None
+        got = kernels.blockdiag_attention("flash", q, k, v, meta, 0.4, 0.0, variant)
+    want = kernels.blockdiag_attention("dense", q, k, v, meta, 0.4, 0.0, variant)
+    _assert_same(got, want, (q, k, v, sinks))
+
+
+def test_flash_refuses_sinks_with_dropout_or_an_unpadded_head_dim():
+    variant = AttentionVariant(sinks=torch.zeros(4), source="GptOssForCausalLM layer 1")
+    with fake_kernels():
+        for call in (
+            KernelCall(torch.bfloat16, 64, dropout_p=0.1, variant=variant),
+            KernelCall(torch.bfloat16, 20, variant=variant),
+        ):
+            problem = gpu_kernels.flash_variant_problem(call, _libraries())
+            assert problem is not None and "s_aux (attention sinks) (GptOssForCausalLM layer 1)" in problem

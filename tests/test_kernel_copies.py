@@ -34,11 +34,10 @@ def _inputs(length: int, token_major: bool) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     out = []
     for heads in (HEADS, KV_HEADS, KV_HEADS):
-        if token_major:
-            t = torch.randn(1, length, heads, DIM, generator=gen).transpose(1, 2)
-        else:
-            t = torch.randn(1, heads, length, DIM, generator=gen)
-        out.append(t.requires_grad_())
+        shape = (1, length, heads, DIM) if token_major else (1, heads, length, DIM)
+        # the output of an op (as a projection's is): its gradient is consumed, not accumulated into a leaf
+        t = torch.randn(shape, generator=gen).requires_grad_().mul(1.0)
+        out.append(t.transpose(1, 2) if token_major else t)  # token-major: a view of the projection's output
     return out
 
 
@@ -57,7 +56,8 @@ def count_call(
             with counting() as counter:
                 out = cp_blockdiag_sdpa(q, k, v, enable_gqa=True, variant=AttentionVariant(window=window))
                 read = out.transpose(1, 2).contiguous()  # what the model reads
-            read.sum().backward()
+            with counting() as backward:
+                read.backward(torch.ones_like(read))
     return {
         "copied": counter.bytes,
         "ops": counter.summary(),
@@ -65,6 +65,9 @@ def count_call(
         "library_out": sum(call["out"] for call in counter.library),
         "library_calls": len(counter.library),
         "out": nbytes(out),
+        "backward": backward.bytes,
+        "backward_ops": backward.summary(),
+        "qkv": sum(nbytes(t) for t in (q, k, v)),
     }
 
 
@@ -91,6 +94,12 @@ def test_one_pack_and_one_unpack_per_call_in_process(kernel, token_major):
         exact = (0 if token_major else counts["library_qkv"]) + counts["library_out"]
         if counts["copied"] != exact:
             problems.append(f"{kernel} window={window}: copied {counts['copied']} B, expected {exact}; {counts['ops']}")
+        # backward, token-major: each of dq, dk, dv written once, straight into the projections' layout
+        if token_major and counts["backward"] != counts["qkv"]:
+            problems.append(
+                f"{kernel} window={window}: backward copied {counts['backward']} B, expected {counts['qkv']} "
+                f"(dq + dk + dv once); {counts['backward_ops']}"
+            )
     assert not problems, "\n".join(problems)
 
 

@@ -403,15 +403,15 @@ def _fail_with_options(rank, options, settle):
                 raised.append(("exit", str(exc)))
     if not settle:
         try:
-            consensus.settle_step([st.failures], st.group, torch.device("cpu"))
+            consensus.settle_failures([st.failures], st.group, torch.device("cpu"))
         except RuntimeError as exc:
-            raised.append(("settle_step", str(exc)))
+            raised.append(("settle_failures", str(exc)))
     return raised
 
 
 @pytest.mark.parametrize(
     ("consensus_mode", "settle", "where"),
-    [("step", True, "exit"), ("call", True, "call"), ("step", False, "settle_step")],
+    [("step", True, "exit"), ("call", True, "call"), ("step", False, "settle_failures")],
 )
 def test_a_failure_is_raised_once_per_step_or_per_call_on_every_rank(pools, consensus_mode, settle, where):
     options = CPOptions(attn_backend="sdpa_varlen", kv_exchange="halo", consensus=consensus_mode)

@@ -188,10 +188,12 @@ def _backward(
     right: int,
     probabilities: Any = None,
     out: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The closed-form backward; ``probabilities(s_raw, segment index)`` replaces ``softmax(scale * s_raw)``.
 
     ``out`` (the forward's output, as the real kernels save it) gives ``rowsum(dO * O)``; by default it is ``P V``.
+    ``softcap > 0`` chains ``dS`` through ``softcap * tanh(scale * s_raw / softcap)``: ``* (1 - tanh^2)``.
     """
     rep = q.shape[1] // k.shape[1]
     work = _compute_dtype(q.dtype)
@@ -208,6 +210,8 @@ def _backward(
             p = probabilities(qi @ ki.transpose(-1, -2), index).masked_fill(hidden, 0.0)
         oi = p @ vi if out is None else out[q0:q1].transpose(0, 1).to(work)
         ds = p * (doi @ vi.transpose(-1, -2) - (doi * oi).sum(-1, keepdim=True))
+        if softcap > 0:
+            ds = ds * (1 - torch.tanh(scale * (qi @ ki.transpose(-1, -2)) / softcap) ** 2)
         dq[q0:q1] = (scale * ds @ ki).transpose(0, 1)
         # a key head's gradient sums over the query heads that read it
         dk_i = (scale * ds.transpose(-1, -2) @ qi).unflatten(0, (-1, rep)).sum(1)
@@ -215,6 +219,51 @@ def _backward(
         dk[k0:k1] += dk_i.transpose(0, 1)
         dv[k0:k1] += dv_i.transpose(0, 1)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def backward_from_lse(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    segments: list[Segment],
+    *,
+    scale: float,
+    left: int,
+    right: int,
+    softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the kernels' backward computes from the ``out`` and ``lse [Hq, Tq]`` it is *given* (not recomputed).
+
+    ``P = exp(S - lse)`` (``S`` soft-capped), ``dS = P * (dO V^T - rowsum(dO * out))``, chained through the
+    soft-cap; a caller passing another ``out`` or ``lse`` gets the gradients of those, as on the GPU.
+    """
+    work = _compute_dtype(q.dtype)
+
+    def probabilities(s_raw: torch.Tensor, index: int) -> torch.Tensor:
+        q0, q1 = segments[index][:2]
+        return torch.exp(_scores_from_raw(s_raw, scale, softcap) - lse[:, q0:q1, None].to(work))
+
+    return _backward(
+        dout,
+        q,
+        k,
+        v,
+        segments,
+        scale=scale,
+        left=left,
+        right=right,
+        probabilities=probabilities,
+        out=out,
+        softcap=softcap,
+    )
+
+
+def _scores_from_raw(s_raw: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+    s = s_raw * scale
+    return softcap * torch.tanh(s / softcap) if softcap > 0 else s
 
 
 class _GradDropped(torch.autograd.Function):

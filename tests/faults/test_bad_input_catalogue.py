@@ -175,13 +175,19 @@ QKV: dict[str, Callable[[], Any]] = {
 # ----------------------------------------------------------------------------- core: explicit kernels
 
 
-def _attend_with(backend: str, head_dim: int = 8, dropout_p: float = 0.0, value_head_dim: int | None = None) -> Any:
+def _attend_with(
+    backend: str,
+    head_dim: int = 8,
+    dropout_p: float = 0.0,
+    value_head_dim: int | None = None,
+    variant: AttentionVariant | None = None,
+) -> Any:
     """``cp_blockdiag_sdpa`` with an explicit kernel inside a cp=1 step of the CPU row above."""
     q, k = torch.zeros(1, 4, 8, head_dim), torch.zeros(1, 2, 8, head_dim)
     v = torch.zeros(1, 2, 8, value_head_dim or head_dim)
     ctx, _, _ = _build(_row(), attn_backend=backend)
     with ctx():
-        return cp_blockdiag_sdpa(q, k, v, dropout_p=dropout_p, enable_gqa=True)
+        return cp_blockdiag_sdpa(q, k, v, dropout_p=dropout_p, enable_gqa=True, variant=variant or AttentionVariant())
 
 
 def _packed_with(backend: str = "auto", length: int = 8, **call: Any) -> Any:
@@ -205,6 +211,9 @@ def _windowed_model() -> torch.nn.Module:
 KERNEL: dict[str, Callable[[], Any]] = {
     "kernel-flash-device": lambda: _attend_with("flash"),
     "kernel-flash-head-dim": lambda: _attend_with("flash", head_dim=264),
+    "kernel-flash-sinks-dropout": lambda: _attend_with(
+        "flash", dropout_p=0.1, variant=AttentionVariant(sinks=torch.zeros(4))
+    ),
     "kernel-fa3-device": lambda: _attend_with("fa3"),
     "kernel-fa3-dropout": lambda: _attend_with("fa3", dropout_p=0.1),
     "kernel-fa3-head-dim": lambda: _attend_with("fa3", head_dim=12),

@@ -28,7 +28,7 @@ import torch
 
 from nemo_automodel.components.distributed.blockdiag_cp import kernels, outside, patch_sdpa
 from nemo_automodel.components.distributed.blockdiag_cp.runtime import attend_row
-from nemo_automodel.components.distributed.blockdiag_cp.state import current_step_state
+from nemo_automodel.components.distributed.blockdiag_cp.state import current_row_state
 from nemo_automodel.components.distributed.blockdiag_cp.variant import PLAIN, AttentionVariant
 
 CP_ATTN_IMPLEMENTATION = "cp_blockdiag"
@@ -206,7 +206,7 @@ def cp_blockdiag_attention(
         ``(attn_output [B, L, Hq, Dv], None)``: no attention weights.
     """
     variant = attention_variant(module, kwargs)
-    row = current_step_state()
+    row = current_row_state()
     if row is not None:
         gqa = query.shape[1] != key.shape[1]
         out = attend_row(row, query, key, value, variant=variant, dropout_p=dropout, scale=scaling, enable_gqa=gqa)

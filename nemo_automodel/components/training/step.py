@@ -18,8 +18,8 @@ from nemo_automodel.components.config.schema import CPConfig, bf16_autocast
 from nemo_automodel.components.datasets.packing import IGNORE_INDEX
 from nemo_automodel.components.distributed.blockdiag_cp import (
     CPOptions,
+    RowState,
     StepAgreement,
-    StepState,
     attention_inputs_nonfinite,
     cost,
     exchange_stats,
@@ -132,7 +132,7 @@ def _autocast(setup: StepSetup) -> contextlib.AbstractContextManager[None]:
     return torch.autocast(setup.device.type, dtype=torch.bfloat16, enabled=setup.autocast_bf16)
 
 
-def _check_cp_reached_attention(setup: StepSetup, state: StepState) -> None:
+def _check_cp_reached_attention(setup: StepSetup, state: RowState) -> None:
     """After the first forward: fail on every rank if the model's attention never called CP attention.
 
     At any cp (cp=1 included: a model whose attention bypasses the interface, such as Bloom's ALiBi code, lets
@@ -199,7 +199,7 @@ def _nonfinite_report(
     return f"non-finite values in step {step}: {'; '.join(parts)}" if parts else None
 
 
-def _attention_lines(states: list[StepState]) -> list[str]:
+def _attention_lines(states: list[RowState]) -> list[str]:
     """This rank's non-finite CP attention calls per micro-batch (host syncs: called only when a rank saw some)."""
     return [f"micro-batch {i}: {line}" for i, st in enumerate(states) for line in nonfinite_attention_inputs(st)]
 
@@ -223,7 +223,7 @@ class _Totals:
 def _step_totals(
     setup: StepSetup,
     sums: dict[str, torch.Tensor | float],
-    states: list[StepState],
+    states: list[RowState],
     ce_sum: torch.Tensor,
 ) -> _Totals:
     """One all-reduce over ``dp x cp``: loss, tokens, label tokens, K/V, preemption, every rank's flags and failures."""
@@ -243,13 +243,13 @@ def _step_totals(
     )
 
 
-def _exchange_wait_s(state: StepState) -> float:
+def _exchange_wait_s(state: RowState) -> float:
     """Seconds this rank blocked on the row's K/V exchanges, forward and backward (0 before any CP call)."""
     stats = exchange_stats(state)
     return 0.0 if stats is None else stats["exchange_wait_s"] + stats["exchange_backward_wait_s"]
 
 
-def _raise_on_kernel_failures(setup: StepSetup, totals: _Totals, states: list[StepState]) -> None:
+def _raise_on_kernel_failures(setup: StepSetup, totals: _Totals, states: list[RowState]) -> None:
     """Every rank raises, before the optimizer touches the weights, when a CP kernel failed on any rank."""
     rows = [[int(v) for v in row[2:]] for row in totals.per_rank]
     cp = setup.meshes.cp.size()
@@ -300,7 +300,7 @@ def train_step(
     ce_sum = torch.zeros((), dtype=torch.float64, device=setup.device)
     tokens = torch.zeros((), dtype=torch.int64, device=setup.device)
     label_tokens = torch.zeros((), dtype=torch.int64, device=setup.device)
-    states: list[StepState] = []
+    states: list[RowState] = []
     for i, (train_ctx, local) in enumerate(shards):
         if isinstance(model, FSDPModule):
             model.set_requires_gradient_sync(i == len(shards) - 1)  # reduce once, after the last micro-batch

@@ -20,7 +20,7 @@ from nemo_automodel.components.distributed.blockdiag_cp.layout import (
     make_shard_plan,
 )
 from nemo_automodel.components.distributed.blockdiag_cp.metadata import build_window_plan
-from nemo_automodel.components.distributed.blockdiag_cp.state import StepState
+from nemo_automodel.components.distributed.blockdiag_cp.state import RowState
 
 # Sequence-aligned batch fields that are padded and sharded (``position_ids``
 # may also be mRoPE ``[3, B, S]``; every other field is ``[B, S, ...]``).
@@ -178,7 +178,7 @@ def _cp_group(cp_mesh: DeviceMesh | None) -> tuple[dist.ProcessGroup | None, int
     return group, world, cp_mesh.get_local_rank()
 
 
-def _step_options(options: state_module.CPOptions | None, knobs: dict[str, Any]) -> state_module.CPOptions:
+def _row_options(options: state_module.CPOptions | None, knobs: dict[str, Any]) -> state_module.CPOptions:
     """The step's options: ``options``, else the process default with the knob arguments applied.
 
     Raises:
@@ -211,7 +211,7 @@ def make_cp_blockdiag_batch_and_ctx(
     kv_exchange: str | None = None,
     layout: str | None = None,
     attn_shape: cost.Shape | None = None,
-) -> tuple[Callable[..., contextlib.AbstractContextManager[StepState]], dict[str, Any], ShardLayout]:
+) -> tuple[Callable[..., contextlib.AbstractContextManager[RowState]], dict[str, Any], ShardLayout]:
     """Validate, pad and shard one packed batch, and build its step context.
 
     Everything is validated before anything is built, so a bad batch raises a
@@ -247,16 +247,16 @@ def make_cp_blockdiag_batch_and_ctx(
 
     Returns:
         ``(train_ctx, batch, layout)``: ``train_ctx()`` is a context manager that activates the
-        step state for forward *and* backward (wrap both) and restores the previous state on
+        row state for forward *and* backward (wrap both) and restores the previous state on
         exit. On a normal exit it settles the step's kernel failures (one all-reduce over the CP
         group: every rank raises if a kernel failed on any rank); ``train_ctx(settle=False)``
-        leaves that to the caller, who must call ``consensus.settle_step`` (or fold the state's
+        leaves that to the caller, who must call ``consensus.settle_failures`` (or fold the state's
         failure row into its own step all-reduce, as the recipe does) before updating weights.
         ``batch`` is a new dict holding this rank's rows (``attention_mask`` dropped,
         ``padding_mask`` added, True = pad); ``layout`` records the original and padded lengths.
     """
     knobs = {"attn_backend": attn_backend, "kv_exchange": kv_exchange, "layout": layout, "attn_shape": attn_shape}
-    step_options = _step_options(options, knobs)
+    step_options = _row_options(options, knobs)
     group, world, rank = _cp_group(cp_mesh)
 
     if ("input_ids" in batch) == ("inputs_embeds" in batch):
@@ -297,18 +297,18 @@ def make_cp_blockdiag_batch_and_ctx(
         out[name] = _pad_and_shard(
             name, tensor, pad_len, fills.get(name, 0), row_offset, local_len, None if plan.is_identity else positions
         )
-    step_state = _build_step_state(group, rank, plan, device, step_options)
+    row_state = _build_row_state(group, rank, plan, device, step_options)
     if agreement is not None:
-        step_state.agreement = agreement
-    step_state.agreement.add(step_state)
+        row_state.agreement = agreement
+    row_state.agreement.add(row_state)
 
     @contextlib.contextmanager
-    def train_ctx(settle: bool = True) -> Iterator[StepState]:
-        with state_module.activate_step_state(step_state):
-            yield step_state
+    def train_ctx(settle: bool = True) -> Iterator[RowState]:
+        with state_module.activate_row_state(row_state):
+            yield row_state
         # Only on a normal exit: after an exception peers may be anywhere, and a collective here could hang.
         if settle:
-            consensus.settle_step([step_state.failures], group, device)
+            consensus.settle_failures([row_state.failures], group, device)
 
     return train_ctx, out, ShardLayout(seq_len, padded_len, world, rank, row_offset, local_len, plan.layout, positions)
 
@@ -321,20 +321,20 @@ def _shard_plan(runs: DocRuns, cp: int, options: state_module.CPOptions, device:
     return cost.choose_layout(runs, cp, shape, cost.machine_for(device), options.overlap)
 
 
-def _build_step_state(
+def _build_row_state(
     group: dist.ProcessGroup | None,
     rank: int,
     plan: ShardPlan,
     device: torch.device,
     options: state_module.CPOptions,
-) -> StepState:
+) -> RowState:
     """Precompute everything the attention layers of this row share: no call gathers, probes or syncs.
 
     The group's hosts (one collective the first time a group is seen, :mod:`.topology`) and the GPU
     libraries (imported and probed once per process) are looked up here, when every rank builds its row.
     """
     cu_cpu = torch.tensor(plan.physical_cu_seqlens(), dtype=torch.int32)
-    return StepState(
+    return RowState(
         group=group,
         cp_rank=rank,
         cp_size=plan.cp,
@@ -348,5 +348,5 @@ def _build_step_state(
         hosts=topology.group_hosts(group) if plan.cp > 1 else None,
         libraries=gpu_libraries.probe_gpu_libraries(device),
         # The full-attention plan now, so inconsistent metadata fails at batch build; windowed ones at first use.
-        cache=state_module.StepCache(windows={None: build_window_plan(plan, rank, None, device)}),
+        cache=state_module.RowCache(windows={None: build_window_plan(plan, rank, None, device)}),
     )

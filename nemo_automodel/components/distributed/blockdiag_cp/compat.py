@@ -1,4 +1,4 @@
-"""The seed's private functions and upstream's state forms, kept with their documented signatures.
+"""The seed's private functions and upstream's state forms, kept with their documented signatures; retired names.
 
 Nothing here is on the typed core's path: the runtime calls none of it. Callers of
 the seed API (and its tests) may; each function delegates to the typed core.
@@ -15,14 +15,31 @@ import torch.distributed as dist
 from nemo_automodel.components.distributed.blockdiag_cp import consensus, kernels, options, runtime
 from nemo_automodel.components.distributed.blockdiag_cp import state as state_module
 from nemo_automodel.components.distributed.blockdiag_cp.exchange import KVPlan
-from nemo_automodel.components.distributed.blockdiag_cp.state import StepState
+from nemo_automodel.components.distributed.blockdiag_cp.state import (
+    RowCache,
+    RowState,
+    RowStats,
+    activate_row_state,
+    current_row_state,
+    last_row_state,
+)
 from nemo_automodel.components.distributed.blockdiag_cp.variant import plan_key
 
+# Names before "step" meant only the optimizer step (a packed row's state was a "step state"), kept importable.
+StepState = RowState
+StepCache = RowCache
+StepStats = RowStats
+current_step_state = current_row_state
+activate_step_state = activate_row_state
+last_step_state = last_row_state
+check_step_agreement = consensus.check_agreement
+settle_step = consensus.settle_failures
 
-def row_doc_ids(state: StepState) -> torch.Tensor:
+
+def row_doc_ids(state: RowState) -> torch.Tensor:
     """The row's replicated document ids ``[1, S_full]`` in physical order (0 == pad), on the row's device.
 
-    The seed kept them in its step state; the typed core plans from the shard plan and never builds them.
+    The seed kept them in its row state; the typed core plans from the shard plan and never builds them.
     """
     plan = state.shard_plan
     ids = torch.zeros(plan.runs.total_len, dtype=torch.long)
@@ -33,12 +50,12 @@ def row_doc_ids(state: StepState) -> torch.Tensor:
     return ids[None].to(state.positions.device)
 
 
-def _resolve_cp_varlen_config(state: StepState | Mapping[str, Any]) -> tuple[str, str]:
+def _resolve_cp_varlen_config(state: RowState | Mapping[str, Any]) -> tuple[str, str]:
     """``(attn_backend, kv_exchange)`` of a row: its options, or (upstream's dict state) the keys it sets.
 
     A mapping falls back to the process default of ``configure_cp_varlen`` for a missing or ``None`` knob.
     """
-    if isinstance(state, StepState):
+    if isinstance(state, RowState):
         return state.options.attn_backend, state.options.kv_exchange
     default = state_module.default_options()
     backend, kv_exchange = state.get("attn_backend"), state.get("kv_exchange")
@@ -49,7 +66,7 @@ def _resolve_cp_varlen_config(state: StepState | Mapping[str, Any]) -> tuple[str
 
 
 def _select_kv_exchange_path(
-    state: StepState,
+    state: RowState,
     group: dist.ProcessGroup | None,
     doc_ids: torch.Tensor,
     local_len: int,
@@ -72,14 +89,14 @@ def _select_kv_exchange_path(
     """
     del group, doc_ids, query_dtype, dropout_p
     if offset != state.row_offset:
-        raise ValueError(f"offset={offset} disagrees with the step state's row_offset={state.row_offset}")
+        raise ValueError(f"offset={offset} disagrees with the row state's row_offset={state.row_offset}")
     if local_len != state.local_len:
-        raise ValueError(f"local_len={local_len} disagrees with the step state's local_len={state.local_len}")
+        raise ValueError(f"local_len={local_len} disagrees with the row state's local_len={state.local_len}")
     return runtime._exchange_path(state, device, plan_key(window, chunk))
 
 
 def _needed_only_preflight(
-    state: StepState,
+    state: RowState,
     group: dist.ProcessGroup | None,
     backend: str,
     query_dtype: torch.dtype,

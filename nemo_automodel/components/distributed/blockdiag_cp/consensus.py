@@ -3,7 +3,7 @@
 Over the CP group:
 
 - :func:`failed_ranks`: which ranks report a problem (one all-reduce of a ``[world]`` vector);
-- :func:`check_step_agreement`: at a packed row's first CP attention call, every rank
+- :func:`check_agreement`: at a packed row's first CP attention call, every rank
   compares the row's settings, resolved kernel and path, document layout and q/k/v
   shapes with every other rank's (one all-reduce of fingerprints) and all raise the
   same error on a disagreement, before any path-dependent collective; later calls of
@@ -14,7 +14,7 @@ Over the CP group:
   rank's own lines);
 - :class:`GuardedKernel` (no collective): runs a kernel so that an exception, forward or
   backward, is recorded in the row's :class:`~.state.FailureLog` instead of unwinding one
-  rank alone; the rank continues with zeros, and :func:`settle_step` (once per step, or
+  rank alone; the rank continues with zeros, and :func:`settle_failures` (once per step, or
   folded into the recipe's step all-reduce) makes every rank raise together, naming the
   failing ranks.
 """
@@ -77,7 +77,7 @@ def fingerprint(value: Any) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def check_step_agreement(fields: dict[str, Any], group: dist.ProcessGroup | None, device: torch.device) -> None:
+def check_agreement(fields: dict[str, Any], group: dist.ProcessGroup | None, device: torch.device) -> None:
     """Raise the same ``RuntimeError`` on every rank unless all ranks report identical ``fields``.
 
     Args:
@@ -152,7 +152,7 @@ def failure_diagnostics(logs: Sequence[FailureLog]) -> list[str]:
     ]
 
 
-def settle_step(logs: Sequence[FailureLog], group: dist.ProcessGroup | None, device: torch.device) -> None:
+def settle_failures(logs: Sequence[FailureLog], group: dist.ProcessGroup | None, device: torch.device) -> None:
     """Collective, once per step: raise the same error on every rank when a kernel failed on any rank.
 
     One all-reduce of every rank's :data:`FailureRow` (after backward, so

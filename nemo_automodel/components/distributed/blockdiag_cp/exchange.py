@@ -39,7 +39,7 @@ import torch.distributed as dist
 from nemo_automodel.components.distributed.blockdiag_cp.layout import ShardPlan
 
 # (owner rank, start inside the owner's local chunk, length)
-Piece = tuple[int, int, int]
+OwnedPiece = tuple[int, int, int]
 # (start inside a local chunk, length)
 Span = tuple[int, int]
 
@@ -68,7 +68,7 @@ class KVPlan:
 
     world: int
     local_len: int
-    pieces: tuple[tuple[Piece, ...], ...]
+    pieces: tuple[tuple[OwnedPiece, ...], ...]
 
     @cached_property
     def _spans(self) -> dict[tuple[int, int], list[Span]]:
@@ -102,9 +102,9 @@ class KVPlan:
         return all(src == dst - 1 for dst, src in self._spans)
 
 
-def _split_by_owner(start: int, end: int, local_len: int) -> list[Piece]:
+def _split_by_owner(start: int, end: int, local_len: int) -> list[OwnedPiece]:
     """Cut the physical range ``[start, end)`` at chunk boundaries."""
-    out: list[Piece] = []
+    out: list[OwnedPiece] = []
     while start < end:
         owner = start // local_len
         stop = min(end, (owner + 1) * local_len)
@@ -525,7 +525,7 @@ def send_buffer(
             picked = whole[:, :, :0]
         else:
             picked = pieces[send[0]] if len(send) == 1 else torch.cat([pieces[i] for i in send], dim=2)
-        parts.append(picked[0].transpose(0, 1))  # [T, Hkv, D]: a view; models usually hold this layout already
+        parts.append(picked.squeeze(0).transpose(0, 1))  # [T, Hkv, D]: a view (also in backward: no select)
     if key.shape[3] == value.shape[3]:
         return torch.cat(parts, dim=1).flatten(1)
     return torch.cat([t.flatten(1) for t in parts], dim=1)
@@ -538,8 +538,10 @@ def split_received(
     heads, key_dim = key.shape[1], key.shape[3]
     keys = received[:, : heads * key_dim].unflatten(1, (heads, key_dim))
     values = received[:, heads * key_dim :].unflatten(1, (heads, value.shape[3]))
-    key_chunks = tuple(c.unsqueeze(0) for c in keys.transpose(0, 1).split(cuts, dim=1))
-    value_chunks = tuple(c.unsqueeze(0) for c in values.transpose(0, 1).split(cuts, dim=1))
+    # split token-major, as received: the gradient's one copy (the split's backward) is then already in the
+    # received rows' layout, not one more after a head-major concatenation
+    key_chunks = tuple(c.transpose(0, 1).unsqueeze(0) for c in keys.split(cuts, dim=0))
+    value_chunks = tuple(c.transpose(0, 1).unsqueeze(0) for c in values.split(cuts, dim=0))
     return key_chunks, value_chunks
 
 

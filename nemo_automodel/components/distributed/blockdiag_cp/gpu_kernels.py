@@ -126,7 +126,14 @@ def flash_variant_problem(call: KernelCall, libs: GpuLibraries) -> str | None:
             "attn_backend=flash: flash-attn's soft-capping has no dropout; use dropout_p=0, attn_backend='auto' "
             "or 'sdpa_varlen'"
         )
-    return variant_problem("flash", variant, libs_.flash_gaps())
+    if variant.sinks is not None and (call.dropout_p > 0 or (call.head_dim or 8) % 8):
+        # the private pair takes no rng_state from us, and from 2.7.0 pads no head dim (the public functions do)
+        return (
+            f"{variant.describe('s_aux (attention sinks)')} with dropout_p={call.dropout_p} and head_dim="
+            f"{call.head_dim} is not supported by attn_backend=flash: sinks run without dropout on head dims that "
+            "are multiples of 8; use attn_backend='auto' or 'sdpa_varlen'"
+        )
+    return variant_problem("flash", variant, libs_.flash_gaps(libs.flash))
 
 
 def fa3_variant_problem(call: KernelCall, libs: GpuLibraries) -> str | None:
@@ -193,7 +200,7 @@ def _first(result: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class Piece:
+class BoundaryPiece:
     """A run of consecutive segments attended by one call.
 
     Attributes:
@@ -211,20 +218,22 @@ class Piece:
     max_len: int
 
 
-def boundary_pieces(meta: VarlenMeta) -> list[Piece]:
+def boundary_pieces(meta: VarlenMeta) -> list[BoundaryPiece]:
     """Split a group into its straddling segments (one piece each) and runs of square segments.
 
     Host-only: built from ``meta.q_lens``/``k_lens``, no device access.
     """
-    pieces: list[Piece] = []
+    pieces: list[BoundaryPiece] = []
     for i, (q0, q_len, k0, k_len) in enumerate(meta.segments()):
         straddles = k_len > q_len
         last = pieces[-1] if pieces else None
         if last is not None and not straddles and not last.straddles:
-            merged = Piece(last.first, i + 1, False, (last.q[0], q0 + q_len), (last.k[0], k0 + k_len), last.max_len)
+            merged = BoundaryPiece(
+                last.first, i + 1, False, (last.q[0], q0 + q_len), (last.k[0], k0 + k_len), last.max_len
+            )
             pieces[-1] = replace(merged, max_len=max(last.max_len, q_len))
         else:
-            pieces.append(Piece(i, i + 1, straddles, (q0, q0 + q_len), (k0, k0 + k_len), k_len))
+            pieces.append(BoundaryPiece(i, i + 1, straddles, (q0, q0 + q_len), (k0, k0 + k_len), k_len))
     return pieces
 
 
@@ -265,7 +274,7 @@ def boundary_guarded(
     return tuple(outs)
 
 
-def guarded_pieces(meta: VarlenMeta) -> tuple[tuple[Piece, torch.Tensor | None], ...]:
+def guarded_pieces(meta: VarlenMeta) -> tuple[tuple[BoundaryPiece, torch.Tensor | None], ...]:
     """:func:`boundary_pieces` with each square run's ``cu_seqlens`` (a device slice), built once per metadata."""
     found = meta._derived.get("guarded_pieces")
     if found is None:
@@ -304,6 +313,7 @@ class FlashFunctions:
     fixed: Callable[..., Any]
     varlen: Callable[..., Any]
     takes_dropout: bool
+    lse: libs_.FlashLse | None = None  # flash-attn 2's private forward/backward pair, for sinks
 
 
 def _flash_family(
@@ -323,6 +333,11 @@ def _flash_family(
     are both accepted. A window is ``window_size=(W - 1, 0)`` and a soft-cap
     ``softcap=c``; plain calls pass neither (older builds lack them).
     """
+    if variant.sinks is not None:
+        assert functions.lse is not None  # flash_variant_problem refused the call otherwise
+        scale = q.shape[2] ** -0.5 if scale is None else scale
+        call = _LseCall(functions.lse, meta, scale, flash_window(meta.window), float(variant.softcap or 0.0))
+        return (_FlashSinks.apply(q, k, v, variant.sinks, call),)
     options: dict[str, Any] = {"softmax_scale": scale, "causal": True}
     if functions.takes_dropout:
         options["dropout_p"] = dropout_p
@@ -349,6 +364,90 @@ def _flash_family(
     return boundary_guarded(q.contiguous(), k, v, meta, fixed, varlen)
 
 
+@dataclass(frozen=True)
+class _LseCall:
+    """One group's calls of flash-attn 2's private pair (:class:`.gpu_libraries.FlashLse`) and their options."""
+
+    lse: libs_.FlashLse
+    meta: VarlenMeta
+    scale: float
+    window: tuple[int, int]
+    softcap: float
+
+    def pieces(self) -> tuple[tuple[BoundaryPiece, tuple[torch.Tensor, torch.Tensor, int, int] | None], ...]:
+        """Each piece of :func:`guarded_pieces` with its varlen ``seqlens`` (``None``: a straddling segment, one
+        fixed-length call); a group without a straddling segment is one varlen piece."""
+        meta = self.meta
+        pieces = guarded_pieces(meta)
+        if not any(p.straddles for p, _ in pieces):
+            whole = BoundaryPiece(0, len(meta.q_lens), False, (0, meta.n_real), (0, meta.kv_len), meta.max_k)
+            return ((whole, (meta.cu_q, meta.cu_k, meta.max_q, meta.max_k)),)
+        return tuple((p, None if cu is None else (cu, cu, p.max_len, p.max_len)) for p, cu in pieces)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, piece: Any) -> tuple[torch.Tensor, ...]:
+        """``(out [q, Hq, Dv], lse [Hq, q])`` of one piece."""
+        (p, seqlens), options = piece, (self.scale, self.window, self.softcap)
+        qs, ks, vs = q[p.q[0] : p.q[1]], k[p.k[0] : p.k[1]], v[p.k[0] : p.k[1]]
+        if seqlens is not None:
+            return self.lse.forward(qs, ks, vs, seqlens, *options)
+        out, lse = self.lse.forward(qs[None], ks[None], vs[None], None, *options)  # [1, s, H, D], lse [1, Hq, s]
+        return out[0], lse[0]
+
+    def backward(self, tensors: tuple[torch.Tensor, ...], lse: torch.Tensor, piece: Any) -> None:
+        """Write one piece's ``dq, dk, dv`` (the last three of ``tensors = (dout, q, k, v, out, dq, dk, dv)``)."""
+        (p, seqlens), options = piece, (self.scale, self.window, self.softcap)
+        rows, keys = slice(*p.q), slice(*p.k)
+        dout, q, k, v, out, dq, dk, dv = tensors
+        parts = (dout[rows], q[rows], k[keys], v[keys], out[rows], lse[:, rows].contiguous())
+        grads = (dq[rows], dk[keys], dv[keys])
+        if seqlens is not None:
+            self.lse.backward((*parts, *grads), seqlens, *options)
+        else:
+            fixed = (*(t[None] for t in parts[:5]), parts[5][None], *(t[None] for t in grads))
+            self.lse.backward(fixed, None, *options)
+
+
+class _FlashSinks(torch.autograd.Function):
+    """flash-attn 2 with sinks ``[Hq]``: ``q [n, Hq, D]`` over ``k/v [K, Hkv, D]`` -> ``[n, Hq, D]``.
+
+    Each piece's sink-free output is scaled by ``a = sigmoid(lse - sink)``; backward calls the private
+    backward with ``a * dout`` and the scaled output (the algebra of :class:`.cpu_kernels._LseAttention`),
+    and the sink's gradient is ``-sum (1 - a) (dout . out)``. Segments with earlier keys still go through
+    fixed-length calls (:func:`boundary_guarded`).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, call: _LseCall
+    ) -> torch.Tensor:
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+        # [Hq, n]; fp32 from the real kernels (fp16/bf16 only), wider with the float64 stand-ins
+        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
+        for piece in call.pieces():
+            rows = slice(*piece[0].q)
+            out[rows], lse[:, rows] = call.forward(q, k, v, piece)
+        scaled = (out * _sink_share(lse, sinks)).to(q.dtype)
+        ctx.save_for_backward(q, k, v, scaled, lse, sinks)
+        ctx.call = call
+        return scaled
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        share = _sink_share(lse, sinks)  # [n, Hq, 1]
+        d_sinks = -((1 - share[..., 0]) * (grad.to(share.dtype) * out).sum(-1)).sum(0).to(sinks.dtype)
+        grad = (grad * share).to(q.dtype).contiguous()
+        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for piece in ctx.call.pieces():
+            ctx.call.backward((grad, q, k, v, out, dq, dk, dv), lse, piece)
+        return dq, dk, dv, d_sinks, None
+
+
+def _sink_share(lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """``sigmoid(lse - sink)`` as ``[n, Hq, 1]`` from ``lse [Hq, n]``: the share of each row's mass its keys keep."""
+    return torch.sigmoid(lse - sinks.to(lse.dtype)[:, None]).t()[..., None]
+
+
 def _flash_library(
     library: str,
     q: torch.Tensor,
@@ -369,7 +468,8 @@ def _flash_library(
     if library == "fa3" and dropout_p > 0:
         raise ValueError("fa3 has no dropout; attn_backend='fa3' needs dropout_p=0")
     _require(facts.problem)
-    functions = FlashFunctions(facts.fixed, facts.varlen, takes_dropout=library == "flash")
+    lse = libs.flash.lse if library == "flash" else None
+    functions = FlashFunctions(facts.fixed, facts.varlen, takes_dropout=library == "flash", lse=lse)
     return _flash_family(q, k, v, meta, scale, dropout_p, variant, functions)
 
 

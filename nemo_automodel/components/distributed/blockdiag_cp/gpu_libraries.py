@@ -105,13 +105,73 @@ class DeviceFacts:
 
 
 @dataclass(frozen=True)
+class FlashLse:
+    """flash-attn 2's private forward/backward pair (``flash_attn.flash_attn_interface``): the forwards return
+    ``softmax_lse``, the backwards take ``out`` and ``softmax_lse`` and write ``dq``/``dk``/``dv`` in place.
+
+    Attributes:
+        split_window: 2.7.0 on: ``window_size_left``/``window_size_right`` ints, forwards return
+            ``(out, softmax_lse, S_dmask, rng_state)``; 2.6.x: a ``window_size`` tuple, forwards return
+            ``(out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state)``.
+    """
+
+    split_window: bool
+    varlen_forward: Callable[..., Any] = field(compare=False, repr=False)
+    varlen_backward: Callable[..., Any] = field(compare=False, repr=False)
+    fixed_forward: Callable[..., Any] = field(compare=False, repr=False)
+    fixed_backward: Callable[..., Any] = field(compare=False, repr=False)
+
+    def _window(self, window: tuple[int, int]) -> tuple[Any, ...]:
+        return window if self.split_window else (window,)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        seqlens: tuple[torch.Tensor, torch.Tensor, int, int] | None,
+        scale: float,
+        window: tuple[int, int],
+        softcap: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Causal ``(out, softmax_lse)``: varlen ``q [Tq, Hq, D]`` with ``seqlens`` (cu_q, cu_k, max_q, max_k) ->
+        ``lse [Hq, Tq]``; fixed-length ``q [B, Sq, Hq, D]`` with ``seqlens=None`` -> ``lse [B, Hq, Sq]``."""
+        tail = (0.0, scale, True, *self._window(window), softcap, None, False)
+        if seqlens is None:
+            result = self.fixed_forward(q, k, v, *tail)
+        else:
+            result = self.varlen_forward(q, k, v, *seqlens, *tail)
+        return result[0], result[1 if self.split_window else 5]
+
+    def backward(
+        self,
+        grads: tuple[torch.Tensor, ...],
+        seqlens: tuple[torch.Tensor, torch.Tensor, int, int] | None,
+        scale: float,
+        window: tuple[int, int],
+        softcap: float,
+    ) -> None:
+        """Write ``dq, dk, dv`` (the last three of ``grads = (dout, q, k, v, out, lse, dq, dk, dv)``) in place."""
+        tail = (0.0, scale, True, *self._window(window), softcap, None, False, None)
+        if seqlens is None:
+            self.fixed_backward(*grads, *tail)
+        else:
+            self.varlen_backward(*grads, *seqlens, *tail)
+
+
+@dataclass(frozen=True)
 class FlashFacts:
-    """flash-attn 2 as installed: ``problem`` says why it cannot be used at all."""
+    """flash-attn 2 as installed: ``problem`` says why it cannot be used at all.
+
+    ``lse`` is the private forward/backward pair sinks need, or ``None`` with ``lse_problem`` saying why.
+    """
 
     problem: str | None
     version: tuple[int, ...] = ()
     varlen: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
     fixed: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
+    lse: FlashLse | None = None
+    lse_problem: str | None = "flash-attn 2 is not probed"
 
 
 @dataclass(frozen=True)
@@ -289,7 +349,57 @@ def _probe_flash() -> FlashFacts:
             "the installed `flash_attn` has no flash_attn_varlen_func (FlashAttention-4 alone installs "
             f"flash_attn.cute as a namespace package); {INSTALL_FLASH}"
         )
-    return FlashFacts(None, release(getattr(module, "__version__", None)), varlen, fixed)
+    version = release(getattr(module, "__version__", None))
+    lse, lse_problem = _probe_flash_lse(version)
+    return FlashFacts(None, version, varlen, fixed, lse, lse_problem)
+
+
+# flash-attn 2's private pair, by era (flash_attn/flash_attn_interface.py, v2.6.2 and v2.7.0..v2.8.3): the leading
+# parameters we pass positionally. 2.7.0 split window_size into two ints and made the four custom ops.
+FLASH_LSE_SPLIT_WINDOW = (2, 7, 0)
+_FLASH_WINDOW = {True: ("window_size_left", "window_size_right"), False: ("window_size",)}
+
+
+def _flash_lse_parameters(split: bool) -> dict[str, tuple[str, ...]]:
+    window = _FLASH_WINDOW[split]
+    forward = ("dropout_p", "softmax_scale", "causal", *window, "softcap", "alibi_slopes")
+    backward_head = ("dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv")
+    backward = ("dropout_p", "softmax_scale", "causal", *window, "softcap", "alibi_slopes", "deterministic")
+    seqlens = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+    return {
+        "_flash_attn_varlen_forward": ("q", "k", "v", *seqlens, *forward, "return_softmax"),
+        "_flash_attn_forward": ("q", "k", "v", *forward, "return_softmax"),
+        "_flash_attn_varlen_backward": (*backward_head, *seqlens, *backward, "rng_state"),
+        "_flash_attn_backward": (*backward_head, *backward, "rng_state"),
+    }
+
+
+def _probe_flash_lse(version: tuple[int, ...]) -> tuple[FlashLse | None, str | None]:
+    """The private pair of this flash-attn release, checked parameter for parameter, or why it cannot be used."""
+    probe = probe_import("flash_attn.flash_attn_interface")
+    if probe.problem is not None:
+        return None, f"flash-attn's private forward/backward cannot be imported: {probe.problem}"
+    split = version >= FLASH_LSE_SPLIT_WINDOW
+    functions = {}
+    for name, expected in _flash_lse_parameters(split).items():
+        fn = getattr(probe.module, name, None)
+        # a torch.library custom op (2.7.0 on) keeps the decorated function as _init_fn
+        signature = None if fn is None else _signature(getattr(fn, "_init_fn", fn))
+        names = () if signature is None else tuple(signature.parameters)[: len(expected)]
+        if names != expected:
+            return None, (
+                f"flash-attn {dotted(version)}'s private {name} does not take ({', '.join(expected)}) as the "
+                f"{'2.7.0+' if split else '2.6.x'} releases do; install a flash-attn release this kernel knows "
+                f"({INSTALL_FLASH})"
+            )
+        functions[name] = fn
+    return FlashLse(
+        split,
+        functions["_flash_attn_varlen_forward"],
+        functions["_flash_attn_varlen_backward"],
+        functions["_flash_attn_forward"],
+        functions["_flash_attn_backward"],
+    ), None
 
 
 # The arguments our FA3 calls pass by keyword (q, k, v go by position).
@@ -929,9 +1039,15 @@ def te_gaps(te: TEFacts) -> dict[str, str]:
     return gaps
 
 
-def flash_gaps() -> dict[str, str]:
-    """What flash-attn 2 (>= 2.6.2) cannot compute: sinks (windows came in 2.3, soft-caps in 2.6)."""
-    return {"sinks": "flash-attn 2 takes no attention-sink logits (no s_aux input)"}
+def flash_gaps(flash: FlashFacts) -> dict[str, str]:
+    """What flash-attn 2 (>= 2.6.2) cannot compute (windows came in 2.3, soft-caps in 2.6).
+
+    Sinks rescale the output of its private forward/backward pair (``FlashLse``); without that pair
+    (``flash.lse_problem``) they are a gap.
+    """
+    if flash.problem is None and flash.lse is None:
+        return {"sinks": f"attention sinks need flash-attn's private forward/backward pair: {flash.lse_problem}"}
+    return {}
 
 
 def te_round_seqlen(n: int) -> int:

@@ -28,13 +28,22 @@ Rows = tuple[int, int] | torch.Tensor  # a group's local query rows: (start, sto
 
 
 def tokens(x: torch.Tensor) -> torch.Tensor:
-    """``[1, H, n, D]`` -> the token-major view ``[n, H, D]`` (no copy)."""
-    return x[0].transpose(0, 1)
+    """``[1, H, n, D]`` -> the token-major view ``[n, H, D]`` (no copy; ``squeeze``, whose backward is a view too)."""
+    return x.squeeze(0).transpose(0, 1)
 
 
 def packed(x: torch.Tensor) -> torch.Tensor:
     """``[1, H, n, D]`` -> contiguous ``[n, H, D]``: a copy only when ``x`` is not token-major already."""
     return tokens(x).contiguous()
+
+
+def chunks(x: torch.Tensor, cuts: Sequence[int]) -> tuple[torch.Tensor, ...]:
+    """``x [1, H, L, D]`` split at ``cuts`` rows into ``[1, H, n, D]`` views, split token-major.
+
+    Same values as ``x.split(cuts, dim=2)``; the split's backward (the gradient's one copy)
+    then writes a token-major ``[L, H, D]`` gradient, the layout of the model's projections.
+    """
+    return tuple(c.transpose(0, 1).unsqueeze(0) for c in tokens(x).split(list(cuts), dim=0))
 
 
 def query_parts(

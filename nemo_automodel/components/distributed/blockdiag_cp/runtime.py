@@ -46,14 +46,14 @@ from nemo_automodel.components.distributed.blockdiag_cp.consensus import CallRec
 from nemo_automodel.components.distributed.blockdiag_cp.exchange import ExchangeOp, KVPlan, Route
 from nemo_automodel.components.distributed.blockdiag_cp.logs import log_once
 from nemo_automodel.components.distributed.blockdiag_cp.metadata import AttentionGroup, WindowPlan, build_window_plan
-from nemo_automodel.components.distributed.blockdiag_cp.state import StepState
+from nemo_automodel.components.distributed.blockdiag_cp.state import RowState
 from nemo_automodel.components.distributed.blockdiag_cp.topology import GroupHosts
 from nemo_automodel.components.distributed.blockdiag_cp.variant import PLAIN, AttentionVariant, PlanKey, plan_key
 
 logger = logging.getLogger(__name__)
 
 
-def exchange_stats(state: StepState | None = None) -> dict[str, Any] | None:
+def exchange_stats(state: RowState | None = None) -> dict[str, Any] | None:
     """What the CP attention calls of a step did on this rank, or ``None`` before the first call.
 
     Args:
@@ -70,7 +70,7 @@ def exchange_stats(state: StepState | None = None) -> dict[str, Any] | None:
         ``None``): this rank's ``query_heads`` ``[start, stop)``, ``kv_heads`` and the ``bytes_sent`` /
         ``bytes_received`` of one forward (both all-to-alls; the backward moves as much the other way).
     """
-    state = state or state_module.last_step_state()
+    state = state or state_module.last_row_state()
     if state is None or state.stats.path is None:
         return None
     stats = state.stats
@@ -97,9 +97,9 @@ def exchange_stats(state: StepState | None = None) -> dict[str, Any] | None:
     }
 
 
-def reset_exchange_stats(state: StepState | None = None) -> None:
+def reset_exchange_stats(state: RowState | None = None) -> None:
     """Zero the time blocked on exchanges of ``state`` (default: the active or last step)."""
-    state = state or state_module.last_step_state()
+    state = state or state_module.last_row_state()
     if state is not None:
         state.stats.exchange_wait_s = state.stats.exchange_backward_wait_s = 0.0
         state.stats.exchange_calls = 0
@@ -148,17 +148,17 @@ def _needed_only_kernel_succeeded_on_all_ranks(
     return not consensus.failed_ranks(out is not None, group, device)
 
 
-def _exchange_path(state: StepState, device: torch.device, key: PlanKey) -> tuple[str, KVPlan | None, str]:
+def _exchange_path(state: RowState, device: torch.device, key: PlanKey) -> tuple[str, KVPlan | None, str]:
     """Decide the row's K/V path for a window or chunk and say why (no communication: every input is replicated).
 
     Args:
-        state: The row's state (memoizes the plan and ``auto``'s choice).
+        state: The row's state (memoizes the exchange plan and ``auto``'s choice).
         device: Device of the attention inputs (picks ``auto``'s machine model).
         key: The calls' window or ``("chunk", C)`` (:func:`~.variant.plan_key`); each has its own plan.
 
     Returns:
-        ``(path, plan, reason)``: ``path`` is ``"halo"``, ``"a2a"``, ``"allgather"`` or
-        ``"ulysses"``; ``plan`` is the memoized :class:`KVPlan` for the
+        ``(path, kv_plan, reason)``: ``path`` is ``"halo"``, ``"a2a"``, ``"allgather"`` or
+        ``"ulysses"``; ``kv_plan`` is the memoized :class:`KVPlan` for the
         needed-only paths (``None`` for all-gather and ulysses); ``reason`` names the cause.
     """
     kv_exchange = state.options.kv_exchange
@@ -170,18 +170,18 @@ def _exchange_path(state: StepState, device: torch.device, key: PlanKey) -> tupl
         return "ulysses", None, "kv_exchange=ulysses (configured): heads travel, not keys"
     if _cp_group_spans_nodes(state.hosts, state.options.allow_cross_node):
         return "allgather", None, "CP group spans nodes (set NEMO_CP_ALLOW_XNODE=1 to force needed-only)"
-    plan = _kv_plan(state, key, device)
+    kv_plan = _kv_plan(state, key, device)
     if kv_exchange == "auto":
-        path, reason = _auto_choice(state, plan, device, key)
-        return path, plan if path in ("halo", "a2a") else None, reason
+        path, reason = _auto_choice(state, kv_plan, device, key)
+        return path, kv_plan if path in ("halo", "a2a") else None, reason
     if kv_exchange == "a2a":
-        return "a2a", plan, "kv_exchange=a2a (configured)"
-    if plan.use_halo:
-        return "halo", plan, "kv_exchange=halo: every rank needs remote keys from its left neighbour only"
-    return "a2a", plan, "kv_exchange=halo upgraded to a2a: some rank needs keys from beyond its left neighbour"
+        return "a2a", kv_plan, "kv_exchange=a2a (configured)"
+    if kv_plan.use_halo:
+        return "halo", kv_plan, "kv_exchange=halo: every rank needs remote keys from its left neighbour only"
+    return "a2a", kv_plan, "kv_exchange=halo upgraded to a2a: some rank needs keys from beyond its left neighbour"
 
 
-def _auto_choice(state: StepState, plan: KVPlan, device: torch.device, key: PlanKey) -> tuple[str, str]:
+def _auto_choice(state: RowState, plan: KVPlan, device: torch.device, key: PlanKey) -> tuple[str, str]:
     """``kv_exchange=auto``: the cost model's path for this window or chunk (same on every rank: replicated inputs)."""
     memo = _window_plan(state, key, device)
     if memo.auto_choice is None:
@@ -197,7 +197,7 @@ def _auto_choice(state: StepState, plan: KVPlan, device: torch.device, key: Plan
     return memo.auto_choice
 
 
-def _window_plan(state: StepState, key: PlanKey, device: torch.device) -> WindowPlan:
+def _window_plan(state: RowState, key: PlanKey, device: torch.device) -> WindowPlan:
     """This rank's plan for a window or ``("chunk", C)``: built once per step from the replicated shard plan."""
     if key not in state.cache.windows:
         window, chunk = (None, key[1]) if isinstance(key, tuple) else (key, None)
@@ -205,12 +205,12 @@ def _window_plan(state: StepState, key: PlanKey, device: torch.device) -> Window
     return state.cache.windows[key]
 
 
-def _kv_plan(state: StepState, key: PlanKey = None, device: torch.device | None = None) -> KVPlan:
+def _kv_plan(state: RowState, key: PlanKey = None, device: torch.device | None = None) -> KVPlan:
     """The replicated exchange plan of a window or chunk, computed once per row, reused by every layer and recompute."""
     return _window_plan(state, key, device or state.positions.device).kv_plan()
 
 
-def _route(state: StepState, device: torch.device, kernel: str | None, variant: AttentionVariant = PLAIN) -> Route:
+def _route(state: RowState, device: torch.device, kernel: str | None, variant: AttentionVariant = PLAIN) -> Route:
     """The K/V route of ``variant``'s window or chunk (path, sends, where each group's keys are), built once per row.
 
     The path and its reason are logged once per process and window when the route is built (never per call).
@@ -218,7 +218,7 @@ def _route(state: StepState, device: torch.device, kernel: str | None, variant: 
     window, chunk = variant.window, variant.chunk
 
     def choose(_: WindowPlan) -> tuple[str, KVPlan | None, str]:
-        path, plan, reason = _exchange_path(state, device, plan_key(window, chunk))
+        path, kv_plan, reason = _exchange_path(state, device, plan_key(window, chunk))
         if window is not None:
             reason = f"{reason} (sliding_window={window}: keys inside the window only)"
         if chunk is not None:
@@ -234,13 +234,13 @@ def _route(state: StepState, device: torch.device, kernel: str | None, variant: 
             state.cp_size,
             state.local_len,
         )
-        return path, plan, reason
+        return path, kv_plan, reason
 
     return _window_plan(state, plan_key(window, chunk), device).route(choose)
 
 
 def _kernel_for(
-    state: StepState, query: torch.Tensor, value: torch.Tensor, dropout_p: float, variant: AttentionVariant
+    state: RowState, query: torch.Tensor, value: torch.Tensor, dropout_p: float, variant: AttentionVariant
 ) -> tuple[str | None, kernels.KernelUnavailableError | None]:
     """The concrete kernel for this call, or why the requested one cannot run; memoized per step.
 
@@ -270,7 +270,7 @@ def _kernel_for(
 
 
 def _agreement_fields(
-    state: StepState,
+    state: RowState,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -284,19 +284,19 @@ def _agreement_fields(
     the resolved layout, is agreed): a new setting is agreed without touching this function. The q/k/v
     shapes are the call's with the row's local length (the rows of one step differ only there).
     """
-    plan = state.shard_plan
+    shard_plan = state.shard_plan
     settings = {f.name: getattr(state.options, f.name) for f in dataclasses.fields(state.options)}
     del settings["attn_shape"]
     length = state.local_len
     return {
         "cp_size": state.cp_size,
-        "sequence length": plan.runs.total_len,
+        "sequence length": shard_plan.runs.total_len,
         "local length": length,
         **settings,
         "resolved kernel": kernel,
         "resolved kv path": route.path,
-        "resolved layout": plan.layout,
-        "document layout": (plan.runs.starts, plan.runs.ends, plan.pieces),
+        "resolved layout": shard_plan.layout,
+        "document layout": (shard_plan.runs.starts, shard_plan.runs.ends, shard_plan.pieces),
         "attention variant": tuple(variant.features()),
         "query/key/value shapes and dtype": (
             (*query.shape[:2], length, query.shape[3]),
@@ -308,7 +308,7 @@ def _agreement_fields(
 
 
 def _row_fields(
-    row: StepState,
+    row: RowState,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -325,7 +325,7 @@ def _row_fields(
 
 
 def _agree_on_rows(
-    state: StepState,
+    state: RowState,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -350,7 +350,7 @@ def _agree_on_rows(
         rows = [_row_fields(row, query, key, value, dropout_p, variant, shape) for row in scope.rows]
         # the same field names on every rank, whatever its number of rows: a collective of one size
         fields = rows[0] if len(rows) == 1 else {name: tuple(row[name] for row in rows) for name in rows[0]}
-        consensus.check_step_agreement({**fields, "rows agreed at once": len(rows)}, state.group, query.device)
+        consensus.check_agreement({**fields, "rows agreed at once": len(rows)}, state.group, query.device)
     scope.agreed = True
 
 
@@ -377,7 +377,7 @@ def _run_group(
 
 
 def _attend(
-    state: StepState,
+    state: RowState,
     plan: WindowPlan,
     route: Route,
     kernel: str,
@@ -398,7 +398,7 @@ def _attend(
         ``[1, Hq, L, Dv]`` in local row order (a view of a token-major buffer); padding rows are zero.
     """
     layout = kernels.KERNELS[kernel].layout
-    local = (key.split(route.local_cuts, dim=2), value.split(route.local_cuts, dim=2))
+    local = (kernel_io.chunks(key, route.local_cuts), kernel_io.chunks(value, route.local_cuts))
     op: ExchangeOp | None = None
     token = received = None
     if state.cp_size > 1:
@@ -435,24 +435,24 @@ def _attend(
     return out
 
 
-def _after_backward(state: StepState, recorder: CallRecorder, device: torch.device, op: ExchangeOp) -> None:
+def _after_backward(state: RowState, recorder: CallRecorder, device: torch.device, op: ExchangeOp) -> None:
     """Runs when a layer's reverse exchange completed: account its wait (and, per call, agree on failures)."""
     state.stats.exchange_backward_wait_s += op.backward_wait_s
     if state.options.consensus == "call":
         _settle_call(state, recorder, "backward", device)
 
 
-def _settle_call(state: StepState, recorder: CallRecorder, direction: str, device: torch.device) -> None:
+def _settle_call(state: RowState, recorder: CallRecorder, direction: str, device: torch.device) -> None:
     """``consensus="call"``: after this call's ``direction``, agree whether it failed anywhere; if so all raise."""
     failed_here = recorder.failed(direction)
     diagnostic = "; ".join(text for call, text in getattr(state.failures, direction) if call == recorder.call)
     sentinel = None if failed_here else torch.empty(0)
     if not _needed_only_kernel_succeeded_on_all_ranks(sentinel, state.group, device, diagnostic):
-        consensus.settle_step([state.failures], state.group, device)  # names every failing rank, then raises
+        consensus.settle_failures([state.failures], state.group, device)  # names every failing rank, then raises
 
 
 def attend_row(
-    state: StepState,
+    state: RowState,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -506,13 +506,13 @@ def attend_row(
     _agree_on_rows(state, query, key, value, dropout_p, variant)
     if unavailable is not None:  # every rank agreed that it cannot run: all raise here, together
         raise unavailable
-    plan = state.cache.windows[variant.plan_key]
+    window_plan = state.cache.windows[variant.plan_key]
     recorder = CallRecorder(state.failures, call)
     if route.path == "ulysses":
         out = _attend_heads(state, kernel, query, key, value, scale, dropout_p, variant, recorder)
     else:
-        out = _attend(state, plan, route, kernel, query, key, value, scale, dropout_p, variant, recorder)
-    _record_stats(state, plan, route, kernel, key, value)
+        out = _attend(state, window_plan, route, kernel, query, key, value, scale, dropout_p, variant, recorder)
+    _record_stats(state, window_plan, route, kernel, key, value)
     if route.path == "ulysses":
         heads = ulysses.row_plan(state, query, key, variant)
         ulysses.record_stats(state, heads, variant.plan_key, query.shape[3], value.shape[3], query.element_size())
@@ -520,7 +520,7 @@ def attend_row(
 
 
 def _attend_heads(
-    state: StepState,
+    state: RowState,
     kernel: str,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -581,7 +581,7 @@ def cp_blockdiag_sdpa(
         ValueError / RuntimeError: as :func:`attend_row`; outside a row, for a non-plain variant.
     """
     variant = variant or PLAIN
-    state = state_module.current_step_state()
+    state = state_module.current_row_state()
     if state is None:
         remedy = (
             "call it inside the step context of make_cp_blockdiag_batch_and_ctx, or use the model's own (eager) "
@@ -596,7 +596,7 @@ def cp_blockdiag_sdpa(
 
 
 def _record_stats(
-    state: StepState, plan: WindowPlan, route: Route, kernel: str, key: torch.Tensor, value: torch.Tensor
+    state: RowState, window_plan: WindowPlan, route: Route, kernel: str, key: torch.Tensor, value: torch.Tensor
 ) -> None:
     """What this call did, for :func:`exchange_stats` (host ints only)."""
     stats = state.stats
@@ -604,14 +604,14 @@ def _record_stats(
     stats.kv_tokens_received = route.received_tokens
     row_bytes = key.shape[1] * (key.shape[3] + value.shape[3]) * key.element_size()
     stats.kv_bytes_received = route.received_tokens * row_bytes
-    stats.windows[plan_key(plan.window, plan.chunk)] = (
+    stats.windows[plan_key(window_plan.window, window_plan.chunk)] = (
         route.path,
         route.received_tokens,
-        plan.segments.remote_kv_tokens,
+        window_plan.segments.remote_kv_tokens,
     )
 
 
-def attention_inputs_nonfinite(rows: Sequence[StepState], device: torch.device) -> torch.Tensor:
+def attention_inputs_nonfinite(rows: Sequence[RowState], device: torch.device) -> torch.Tensor:
     """Device scalar ``float64``: did any CP attention call of ``rows`` see NaN/Inf in q, k or v (no host sync).
 
     For a caller that folds the flag into its own step all-reduce (``check_finite=True`` records it per call).
@@ -622,17 +622,17 @@ def attention_inputs_nonfinite(rows: Sequence[StepState], device: torch.device) 
     return (~torch.stack(flags).all()).double()
 
 
-def nonfinite_attention_inputs(state: StepState | None = None) -> list[str]:
+def nonfinite_attention_inputs(state: RowState | None = None) -> list[str]:
     """Which CP attention calls of the step saw NaN/Inf in q, k or v (one host sync for the whole step).
 
     Args:
-        state: The step state (default: the active one). Calls are numbered in
+        state: The row state (default: the active one). Calls are numbered in
             execution order (activation-checkpoint recompute calls count again).
 
     Returns:
         One line per offending call, e.g. ``"CP attention call 3: key, value"``; empty when all are finite.
     """
-    state = state or state_module.current_step_state()
+    state = state or state_module.current_row_state()
     if state is None or not state.cache.finite:
         return []
     flags = torch.stack(state.cache.finite).cpu().tolist()
@@ -650,7 +650,7 @@ def patch_sdpa() -> Iterator[None]:
 
     For models that call stock SDPA directly. Enter it together with the step
     context and keep both open through backward (activation-checkpoint
-    recompute calls SDPA again). Outside a step state the patched function is
+    recompute calls SDPA again). Outside a row state the patched function is
     stock SDPA, so other attention in the process is unaffected; the previous
     function is restored on exit, also on exceptions.
     """

@@ -41,7 +41,7 @@ def configure_cp_varlen(
     """Set the process default :class:`CPOptions` for callers that pass no options to the batch builder.
 
     The training path never reads this default: the batch builder snapshots
-    options into each step state (the recipe passes its own). Every value is
+    options into each row state (the recipe passes its own). Every value is
     validated before anything changes, so a bad value leaves the previous default in place.
 
     Args:
@@ -87,7 +87,7 @@ KernelKey = tuple[str, str, int, bool, tuple[Any, ...]]
 
 
 @dataclass
-class StepCache:
+class RowCache:
     """Values computed lazily during one step and reused by every layer and by recompute.
 
     Attributes:
@@ -108,7 +108,7 @@ class StepCache:
 
 
 @dataclass
-class StepStats:
+class RowStats:
     """What this step's CP attention calls did on this rank (read with ``exchange_stats``).
 
     Attributes:
@@ -142,7 +142,7 @@ class FailureLog:
     """Kernel failures recorded on this rank during one step: ``(CP call index, diagnostic)`` per direction.
 
     A failing kernel yields zeros so every collective of the step stays in
-    lockstep; the log is settled once per step (``consensus.settle_step``, or
+    lockstep; the log is settled once per step (``consensus.settle_failures``, or
     the recipe's step all-reduce) and every rank raises together.
     """
 
@@ -176,10 +176,10 @@ class StepAgreement:
         agreed: Whether the agreement ran.
     """
 
-    rows: list[StepState] = field(default_factory=list)
+    rows: list[RowState] = field(default_factory=list)
     agreed: bool = False
 
-    def add(self, row: StepState) -> None:
+    def add(self, row: RowState) -> None:
         """Add ``row`` (same process group as the rows already added; before the agreement ran)."""
         if self.agreed:
             raise ValueError(
@@ -243,7 +243,7 @@ class BlockdiagCpModelState:
 
 
 @dataclass
-class StepState:
+class RowState:
     """Everything one training step's CP attention calls need, fixed at batch-build time.
 
     Internal to the package and the step's owner; models read :attr:`model_view`
@@ -283,8 +283,8 @@ class StepState:
     hosts: GroupHosts | None = None
     libraries: GpuLibraries | None = None
     agreement: StepAgreement = field(default_factory=StepAgreement)
-    cache: StepCache = field(default_factory=StepCache)
-    stats: StepStats = field(default_factory=StepStats)
+    cache: RowCache = field(default_factory=RowCache)
+    stats: RowStats = field(default_factory=RowStats)
     failures: FailureLog = field(default_factory=FailureLog)
 
     @cached_property
@@ -334,10 +334,10 @@ class ThreadSharedSlot(Generic[T]):
         self._value = token
 
 
-_STEP_STATE: ThreadSharedSlot[StepState] = ThreadSharedSlot()
-# The most recently exited step state: read only by the seed API's `exchange_stats()` and
+_ROW_STATE: ThreadSharedSlot[RowState] = ThreadSharedSlot()
+# The most recently exited row state: read only by the seed API's `exchange_stats()` and
 # `cp_attn_fire_count()` after a step, never by the step path.
-_LAST_STATE: ThreadSharedSlot[StepState] = ThreadSharedSlot()
+_LAST_STATE: ThreadSharedSlot[RowState] = ThreadSharedSlot()
 
 
 class _FireCounter:
@@ -364,26 +364,26 @@ _EXITED_CALLS = _FireCounter()
 
 
 @contextlib.contextmanager
-def activate_step_state(step_state: StepState) -> Iterator[StepState]:
-    """Make ``step_state`` the active one; restore the previous state on exit, also on exceptions."""
-    token = _STEP_STATE.set(step_state)
-    _EXITED_CALLS.add(-step_state.stats.calls)  # while active, its calls are counted from the state itself
+def activate_row_state(row_state: RowState) -> Iterator[RowState]:
+    """Make ``row_state`` the active one; restore the previous state on exit, also on exceptions."""
+    token = _ROW_STATE.set(row_state)
+    _EXITED_CALLS.add(-row_state.stats.calls)  # while active, its calls are counted from the state itself
     try:
-        yield step_state
+        yield row_state
     finally:
-        _STEP_STATE.reset(token)
-        _LAST_STATE.set(step_state)
-        _EXITED_CALLS.add(step_state.stats.calls)
+        _ROW_STATE.reset(token)
+        _LAST_STATE.set(row_state)
+        _EXITED_CALLS.add(row_state.stats.calls)
 
 
-def current_step_state() -> StepState | None:
+def current_row_state() -> RowState | None:
     """Return the active per-step CP state (internal), or ``None`` outside a step context."""
-    return _STEP_STATE.get()
+    return _ROW_STATE.get()
 
 
-def last_step_state() -> StepState | None:
-    """The active step state, else the most recently exited one (``None`` before any step)."""
-    return _STEP_STATE.get() or _LAST_STATE.get()
+def last_row_state() -> RowState | None:
+    """The active row state, else the most recently exited one (``None`` before any step)."""
+    return _ROW_STATE.get() or _LAST_STATE.get()
 
 
 def current_blockdiag_cp_state() -> BlockdiagCpModelState | None:
@@ -393,19 +393,19 @@ def current_blockdiag_cp_state() -> BlockdiagCpModelState | None:
     packed boundaries ``packed_cu_seqlens`` / ``packed_cu_seqlens_cpu``, the group
     and where their rows came from (``row_offset``, ``positions``) here.
     """
-    active = _STEP_STATE.get()
+    active = _ROW_STATE.get()
     return None if active is None else active.model_view
 
 
 def cp_attn_fire_count() -> int:
     """CP attention calls (forward and recompute) since the last reset, the active step's included."""
-    active = _STEP_STATE.get()
+    active = _ROW_STATE.get()
     return _EXITED_CALLS.value + (active.stats.calls if active is not None else 0)
 
 
 def reset_cp_attn_fire_count() -> None:
     """Zero the CP attention fire count (the active step's calls so far included)."""
     _EXITED_CALLS.reset()
-    active = _STEP_STATE.get()
+    active = _ROW_STATE.get()
     if active is not None:
         _EXITED_CALLS.add(-active.stats.calls)

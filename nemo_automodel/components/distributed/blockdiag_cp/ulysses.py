@@ -36,11 +36,11 @@ from nemo_automodel.components.distributed.blockdiag_cp import consensus, exchan
 from nemo_automodel.components.distributed.blockdiag_cp.consensus import CallRecorder
 from nemo_automodel.components.distributed.blockdiag_cp.exchange import AllToAllOp, ExchangeOp
 from nemo_automodel.components.distributed.blockdiag_cp.heads import RowPlan, build_row_plan
-from nemo_automodel.components.distributed.blockdiag_cp.state import StepState
+from nemo_automodel.components.distributed.blockdiag_cp.state import RowState
 from nemo_automodel.components.distributed.blockdiag_cp.variant import AttentionVariant, PlanKey
 
 
-def row_plan(state: StepState, query: torch.Tensor, key: torch.Tensor, variant: AttentionVariant) -> RowPlan:
+def row_plan(state: RowState, query: torch.Tensor, key: torch.Tensor, variant: AttentionVariant) -> RowPlan:
     """This row's head-parallel plan for the call's heads and window or chunk (built once, reused by every layer)."""
     memo_key = (variant.plan_key, query.shape[1], key.shape[1])
     if memo_key not in state.cache.ulysses:
@@ -126,7 +126,7 @@ def _unpack_output(plan: RowPlan, returned: torch.Tensor, local_len: int, value_
 
 
 def attend(
-    state: StepState,
+    state: RowState,
     kernel: str,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -159,7 +159,7 @@ def attend(
     widths = [plan.split.width(d, head_dim, value_dim) for d in range(cp)]
     sent, received_counts = [local_len * w for w in widths], [local_len * widths[rank]] * cp
     inputs = AllToAllOp(state.group, send_counts=sent, recv_counts=received_counts)
-    inputs.after_backward = after_backward
+    inputs.after_backward = after_backward  # called with the op: no op -> callback -> op reference cycle
     received = exchange.wait(exchange.post(_pack_inputs(plan, query, key, value), inputs), inputs)
     q, k, v = _unpack_inputs(plan, received, rank, widths[rank], head_dim, value_dim)
     out = _attend_row(plan, rank, kernel, q, k, v, scale, dropout_p, variant, recorder)
@@ -173,12 +173,12 @@ def attend(
     return _unpack_output(plan, returned, local_len, value_dim)
 
 
-def _account_backward(state: StepState, op: ExchangeOp) -> None:
+def _account_backward(state: RowState, op: ExchangeOp) -> None:
     """The output all-to-all's reverse completed: account the time blocked on it."""
     state.stats.exchange_backward_wait_s += op.backward_wait_s
 
 
-def record_stats(state: StepState, plan: RowPlan, key: PlanKey, head_dim: int, value_dim: int, elem_bytes: int) -> None:
+def record_stats(state: RowState, plan: RowPlan, key: PlanKey, head_dim: int, value_dim: int, elem_bytes: int) -> None:
     """What one head-parallel call moved on this rank, for ``exchange_stats`` (host ints only).
 
     ``kv_tokens_received``: K/V rows received from other ranks (each for this rank's K/V heads only);
