@@ -34,6 +34,10 @@ TORCH_SDPA = F.scaled_dot_product_attention
 # mask elements per call.
 _TILE_ROWS = 256
 _MASK_BUDGET = 1 << 24
+# `_SoftcapTiles` rows per tile: its elementwise passes run over a tile's scores, which at 128 rows stay
+# closer to cache (measured on one 3000-token document, 8/4 heads x 64, 1 thread, CPU time vs the fused
+# flash kernel: 128 rows 1.70-1.94x, 64 rows 1.89-1.95x, 256 rows 2.11x, 512 rows 2.56-2.64x).
+_SOFTCAP_TILE_ROWS = 128
 
 
 def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -524,8 +528,8 @@ class _SoftcapTiles:
         """``(first row, stop row, first key, stop key)`` of each row tile."""
         q_len, k_len = q.shape[2], k.shape[2]
         prefix = k_len - q_len
-        span = k_len if self.window is None else min(k_len, self.window - 1 + _TILE_ROWS)
-        rows = max(1, min(q_len, _TILE_ROWS, _MASK_BUDGET // (q.shape[0] * q.shape[1] * span)))
+        span = k_len if self.window is None else min(k_len, self.window - 1 + _SOFTCAP_TILE_ROWS)
+        rows = max(1, min(q_len, _SOFTCAP_TILE_ROWS, _MASK_BUDGET // (q.shape[0] * q.shape[1] * span)))
         for a in range(0, q_len, rows):
             b = min(q_len, a + rows)
             yield a, b, 0 if self.window is None else max(0, prefix + a - self.window + 1), prefix + b
