@@ -261,7 +261,9 @@ def test_sdpa_varlen_variants_take_the_mask_free_paths_and_match_dense(monkeypat
     """Soft-cap (:class:`_SoftcapTiles`) and sinks (the flash output rescaled) through the kernel entry point:
     square, straddling and batched same-shape segments, forward and every gradient (sinks included) equal the
     explicit-score ``dense`` kernel, and the explicit masked tiles are never used."""
-    monkeypatch.setattr(cpu_kernels, "_TILE_ROWS", tile_rows)  # several tiles per segment, windows across them
+    # several tiles per segment, windows across them
+    monkeypatch.setattr(cpu_kernels, "_TILE_ROWS", tile_rows)
+    monkeypatch.setattr(cpu_kernels, "_SOFTCAP_TILE_ROWS", tile_rows)
     spec = FAST_VARIANTS[name]
     q_lens, k_lens = (6, 6, 11, 3, 9), (9, 9, 11, 3, 30)
     meta = kernels.build_varlen_meta(q_lens, k_lens, sum(q_lens) + 2, "cpu", window=spec.get("window"))

@@ -16,6 +16,7 @@ from nemo_automodel.components.distributed.blockdiag_cp.layout import (
     make_shard_plan,
     pair_count,
 )
+from nemo_automodel.components.distributed.blockdiag_cp.metadata import build_window_plan
 from nemo_automodel.testing.workloads import sft_mix
 
 FAMILIES = {
@@ -59,6 +60,23 @@ def test_plans_tile_every_document_and_permute_every_token(layout, seed):
         assert seg.kv_len == sum(seg.k_lens) and all(k >= q for q, k in zip(seg.q_lens, seg.k_lens))
     if layout == "contiguous":
         assert torch.equal(plan.permutation, torch.arange(total))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_balanced_ranks_hold_their_attention_groups_as_contiguous_rows(seed):
+    """Local-key pieces come first and adjacent pieces of a document are one: no row gather or scatter."""
+    rng = random.Random(seed)
+    cp = rng.choice([2, 3, 4, 8])
+    lengths = [rng.randint(1, 3000) for _ in range(rng.randint(1, 12))]
+    total = sum(lengths) + rng.randint(0, 40)
+    total += (-total) % (2 * cp)
+    plan = make_shard_plan(doc_runs_from_lengths(lengths, total), cp, "balanced")
+    for rank, pieces in enumerate(plan.pieces):
+        ends = {(p.doc, p.stop) for p in pieces}
+        assert not any((p.doc, p.start) in ends for p in pieces), pieces  # consecutive pieces are one
+        window_plan = build_window_plan(plan, rank, None, "cpu")
+        assert window_plan.merge_index is None, (rank, pieces)
+        assert all(isinstance(group.rows, tuple) for group in window_plan.groups)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "balanced"])

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_automodel.components.distributed.blockdiag_cp.layout import ShardPlan
+from nemo_automodel.components.distributed.blockdiag_cp.rows import cat_rows
 
 # (owner rank, start inside the owner's local chunk, length)
 OwnedPiece = tuple[int, int, int]
@@ -522,9 +523,9 @@ def send_buffer(
         if send is None:
             picked = whole
         elif not send:  # nothing to send, but the buffer must stay in the graph: its backward receives
-            picked = whole[:, :, :0]
+            picked = min(pieces, key=lambda c: c.shape[2])[:, :, :0]  # its zero gradient: the smallest chunk's
         else:
-            picked = pieces[send[0]] if len(send) == 1 else torch.cat([pieces[i] for i in send], dim=2)
+            picked = cat_rows([pieces[i] for i in send])
         parts.append(picked.squeeze(0).transpose(0, 1))  # [T, Hkv, D]: a view (also in backward: no select)
     if key.shape[3] == value.shape[3]:
         return torch.cat(parts, dim=1).flatten(1)
@@ -536,13 +537,15 @@ def split_received(
 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """The received rows ``[R, F]`` as key and value chunks ``[1, Hkv, n, D]`` (views, split once at ``cuts``)."""
     heads, key_dim = key.shape[1], key.shape[3]
-    keys = received[:, : heads * key_dim].unflatten(1, (heads, key_dim))
-    values = received[:, heads * key_dim :].unflatten(1, (heads, value.shape[3]))
-    # split token-major, as received: the gradient's one copy (the split's backward) is then already in the
-    # received rows' layout, not one more after a head-major concatenation
-    key_chunks = tuple(c.transpose(0, 1).unsqueeze(0) for c in keys.split(cuts, dim=0))
-    value_chunks = tuple(c.transpose(0, 1).unsqueeze(0) for c in values.split(cuts, dim=0))
-    return key_chunks, value_chunks
+    # one split per axis (autograd joins a split's gradients once; each slice would get a zero-filled buffer),
+    # along tokens first, so the chunks' gradients join into token-major rows like the buffer's
+    keys, values = received.split([heads * key_dim, heads * value.shape[3]], dim=1)
+
+    def chunks(rows: torch.Tensor, dim: int) -> tuple[torch.Tensor, ...]:
+        pieces = (rows,) if len(cuts) == 1 else rows.split(cuts, dim=0)
+        return tuple(c.unflatten(1, (heads, dim)).transpose(0, 1).unsqueeze(0) for c in pieces)
+
+    return chunks(keys, key_dim), chunks(values, value.shape[3])
 
 
 def assemble(

@@ -23,6 +23,8 @@ from typing import Any, Literal
 
 import torch
 
+from nemo_automodel.components.distributed.blockdiag_cp.rows import cat_rows, split_rows
+
 KernelLayout = Literal["bhsd", "thd"]
 Rows = tuple[int, int] | torch.Tensor  # a group's local query rows: (start, stop) or an index tensor
 
@@ -59,8 +61,10 @@ def query_parts(
     padding = query[:, :, n_real:]
     if all(isinstance(r, tuple) for r in rows):
         sizes = [r[1] - r[0] for r in rows]  # type: ignore[index]
-        if layout == "bhsd":
-            return list(query.split([*sizes, query.shape[2] - n_real], dim=2)[:-1]), padding
+        if layout == "bhsd":  # token-major (rows.py): the queries' gradients join in the model's layout
+            pad = query.shape[2] - n_real
+            parts = split_rows(query, [*sizes, pad] if pad else sizes)
+            return list(parts[: len(sizes)]), parts[-1] if pad else padding
         return list(tokens(query).split([*sizes, query.shape[2] - n_real], dim=0)[:-1]), padding
     if layout == "bhsd":
         return [query[:, :, r[0] : r[1]] if isinstance(r, tuple) else query.index_select(2, r) for r in rows], padding
@@ -76,7 +80,7 @@ def pack_keys(chunks: Sequence[torch.Tensor], layout: KernelLayout) -> torch.Ten
     the model's projections are) are gathered token-major in one copy.
     """
     if layout == "bhsd":
-        return chunks[0] if len(chunks) == 1 else torch.cat(list(chunks), dim=2)
+        return cat_rows(chunks)  # token-major, the CPU flash kernel's own frame (rows.py)
     if len(chunks) == 1:
         return packed(chunks[0])
     return torch.cat([tokens(c) for c in chunks], dim=0)

@@ -17,7 +17,8 @@ Layouts (``ShardPlan.layout``):
   ``i`` and chunk ``2 g - 1 - i``: an early, cheap piece and a late, expensive
   one), with ``g`` as small as the document's tokens and work allow, so each
   rank fetches keys of at most one document's prefix per cut. Tokens are
-  permuted accordingly; each rank still holds exactly ``L`` rows.
+  permuted accordingly; each rank still holds exactly ``L`` rows, the pieces whose
+  keys are all on the rank first (so the attention groups are contiguous rows).
 
 Terms: the *physical order* is the token order after the layout's permutation;
 rank ``r`` holds physical rows ``[r * L, (r + 1) * L)``, its real tokens first and
@@ -548,7 +549,46 @@ def _greedy(
     for doc in order:
         if doc not in cut:
             _place_whole_or_split(bins, doc, lengths[doc])
-    return tuple(tuple(sorted(p, key=lambda x: (x.doc, x.start))) for p in bins.pieces)
+    return tuple(tuple(p) for p in bins.pieces)
+
+
+def _joined(pieces: list[DocPiece]) -> list[DocPiece]:
+    """A rank's pieces sorted by ``(doc, start)``, consecutive pieces of one document joined into one.
+
+    The middle rank of a zig-zag group gets two adjacent chunks; as one piece they are one kernel
+    segment whose keys are packed once (two segments would pack the shared prefix twice).
+    """
+    out: list[DocPiece] = []
+    for p in sorted(pieces, key=lambda x: (x.doc, x.start)):
+        if out and out[-1].doc == p.doc and out[-1].stop == p.start:
+            out[-1] = DocPiece(p.doc, out[-1].start, p.stop)
+        else:
+            out.append(p)
+    return out
+
+
+def _local_first(pieces: Pieces) -> Pieces:
+    """Each rank's pieces in local row order: those whose earlier keys all live on the rank first.
+
+    A piece needs keys of other ranks when some earlier piece of its document lives elsewhere.
+    With those pieces last, the rank's local-key and remote-key attention groups
+    (:func:`~.metadata.plan_attention_groups`) are two contiguous runs of rows, so the
+    runtime splits the queries and joins the outputs without any row gather or scatter.
+    """
+    owner = {(p.doc, p.start): rank for rank, ps in enumerate(pieces) for p in ps}
+    firsts: dict[int, list[tuple[int, int]]] = {}
+    for (doc, start), rank in owner.items():
+        firsts.setdefault(doc, []).append((start, rank))
+
+    def remote(rank: int, piece: DocPiece) -> bool:
+        return any(start < piece.start and r != rank for start, r in firsts[piece.doc])
+
+    return tuple(tuple(sorted(ps, key=lambda p, r=rank: remote(r, p))) for rank, ps in enumerate(pieces))
+
+
+def _in_row_order(pieces: Pieces) -> Pieces:
+    """The final placement's pieces per rank: adjacent pieces joined, local-key pieces first."""
+    return _local_first(tuple(tuple(_joined(list(ps))) for ps in pieces))
 
 
 def _group_size(length: int, cp: int, local_len: int, target_work: float) -> int:
@@ -617,7 +657,7 @@ def balanced_pieces(runs: DocRuns, cp: int, local_len: int) -> Pieces:
         if best is None or result[0] < best[0]:
             best = result
         if best[0] <= BALANCE_TARGET or all(g * scale >= cp for g in minimal.values()):
-            return best[1]
+            return _in_row_order(best[1])
         scale *= 2
 
 

@@ -424,7 +424,12 @@ def _attend(
         received = exchange.wait(token, op)
     # kept in the graph with zero gradients: the padding queries (every rank's query gets a gradient), the
     # exchange (its backward runs on every rank, also one whose groups need nothing received) and the sinks
-    deps = [padding, *([] if received is None else [exchange.anchor_like(1, 1, received)]), *variant.tensors]
+    # (an empty padding slice is left out: its zero gradient would cost a query-sized zero fill and sum)
+    deps = [
+        *([padding] if padding.shape[2] or not outputs else []),
+        *([] if received is None else [exchange.anchor_like(1, 1, received)]),
+        *variant.tensors,
+    ]
     shape = (query.shape[2], query.shape[1], value.shape[3])
     out = kernel_io.unpack(outputs, rows, layout, query, shape, *deps)
     if op is not None:
