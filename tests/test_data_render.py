@@ -179,3 +179,16 @@ def test_the_first_bad_record_of_a_chunk_is_the_one_named(tmp_path):
         rows = [(f"row {i + 1}", r) for i, r in enumerate(bad)]
         with pytest.raises(ValueError, match=match):
             loader.to_documents(DataConfig(source="chat", seq_len=256, long_conversations="error"), rows, tokenizer)
+
+
+def test_a_reading_error_comes_after_the_rows_read_before_it(tmp_path):
+    tokenizer = _tokenizer(tmp_path, RICH_TEMPLATE)
+    good, long = json.dumps({"messages": [USER, ANSWER]}), json.dumps({"messages": [USER, ANSWER] * 12})
+    bad = json.dumps({"text": "not a chat"})  # refused by the reader's row check, as it reads row 3
+    cases = (([good, long, bad], r"row 2: \d+ tokens, longer"), ([good, good, bad], "row 3"))
+    for rows, match in cases:
+        path = tmp_path / "chat.jsonl"
+        path.write_text("\n".join(rows) + "\n")
+        cfg = DataConfig(source="chat", path=str(path), seq_len=256, long_conversations="error")
+        with pytest.raises(ValueError, match=match):
+            loader.prepare_data(cfg, tokenizer, show=False)
