@@ -141,6 +141,17 @@ def test_the_shipped_chat_demo_gives_the_same_ids_and_targets_on_both_paths():
     _assert_same(tokenizer, conversations + VARIED[:8])
 
 
+def test_a_transformers_release_not_checked_takes_the_public_path(monkeypatch):
+    """The fast path reads private helpers of the checked releases only; another release renders publicly."""
+    import transformers
+
+    tokenizer = HFTokenizer.load(str(chat_demo.ASSETS / chat_demo.TOKENIZER_DIR))
+    conversation = json.loads((chat_demo.ASSETS / chat_demo.CHATS_FILE).read_text().splitlines()[0])["messages"]
+    assert tokenizer.render_chat_prefixes(conversation, [(1, True)]) is not None
+    monkeypatch.setattr(transformers, "__version__", "99.0.0")
+    assert tokenizer.render_chat_prefixes(conversation, [(1, True)]) is None
+
+
 @pytest.mark.parametrize("template", [RICH_TEMPLATE, LAST_TURN_TEMPLATE], ids=["rich", "last-turn"])
 def test_varied_conversations_and_templates_give_the_same_ids_targets_and_errors(tmp_path, template):
     tokenizer = _tokenizer(tmp_path, template)

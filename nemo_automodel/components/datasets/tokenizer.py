@@ -76,6 +76,12 @@ class ByteTokenizer:
         return None
 
 
+# transformers releases whose private chat-template helpers (``_compile_jinja_template``,
+# ``_normalize_chat_messages``, ``_plain_template_data``, ``_alias_reasoning_fields``) were read, and which
+# ``tests/test_data_render.py`` checks against ``apply_chat_template``: any other release takes the public path
+_FAST_RENDER_CHECKED = ("5.24.",)
+
+
 @dataclass(frozen=True)
 class HFTokenizer:
     """A ``transformers`` tokenizer from a local directory (never the hub)."""
@@ -132,9 +138,12 @@ class HFTokenizer:
         if not self.chat_template or any(n < 1 for n, _ in prefixes):
             return None  # apply_chat_template refuses an empty conversation: let it say so
         try:
+            import transformers
             from transformers import PreTrainedTokenizerBase
             from transformers.utils import chat_template_utils as ctu
 
+            if not transformers.__version__.startswith(_FAST_RENDER_CHECKED):
+                return None  # private helpers read for these releases only: elsewhere the public path renders
             if type(self._tokenizer).apply_chat_template is not PreTrainedTokenizerBase.apply_chat_template:
                 return None  # a tokenizer class with its own rendering: only it knows what it does
 
