@@ -144,6 +144,8 @@ def test_validation_fraction_holds_out_documents_and_each_dp_rank_gets_the_same_
         assert {len(rows) for rows in per_rank} == {-(-n // dp)}
         labelled = sum(int((row["labels"] != -100).sum()) for rows in per_rank for row in rows)
         assert labelled == int((data.validation.labels != -100).sum()), "the top-up rows carry no label"
+        # every row, the top-up ones included, is int64: what embeddings and the loss take
+        assert {t.dtype for rows in per_rank for row in rows for t in row.values()} == {torch.int64}
 
 
 def test_the_cache_is_built_once_by_rank_0_and_read_by_the_others(tmp_path, chat_tokenizer, caplog):

@@ -261,7 +261,8 @@ def rows_for_rank(rows: PackedRows, dp: int, dp_rank: int) -> list[dict[str, tor
     the top-up row is row 0 with every label ``-100``, so it adds nothing to the loss.
     """
     mine = [rows.row(i) for i in range(dp_rank, len(rows), dp)]
-    filler = {**rows.row(0), "labels": torch.full_like(rows.labels[:1], -100)}
+    first = rows.row(0)  # int64 fields: the stored int32 ones would reach the loss as int32 targets
+    filler = {**first, "labels": torch.full_like(first["labels"], -100)}
     return mine + [filler] * (-(-len(rows) // dp) - len(mine))
 
 
