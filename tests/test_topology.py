@@ -35,7 +35,7 @@ from nemo_automodel.components.distributed.parallel import (
     cp_groups_split_needlessly,
     record_placement,
 )
-from nemo_automodel.components.training.failure import translate_failure
+from nemo_automodel.components.training.failure import peer_reports, translate_failure
 from nemo_automodel.testing.cases import cp_mesh, layout
 from nemo_automodel.testing.syncs import count_syncs
 
@@ -210,7 +210,7 @@ def _lost_host_named(hosts: tuple[str, ...], prefix: str) -> list[tuple[str, boo
         if dist.get_rank() == 0:
             for peer in (_place(hosts, 1), _place(hosts, 0)):
                 broken = RuntimeError(f"[pair.cc:553] Connection closed by peer [{peer.address}]:4756")
-                errors.append((str(translate_failure(store, 0, 2, broken)), store.check(["failure/1"])))
+                errors.append((str(translate_failure(store, 0, 2, broken)), 1 in peer_reports(store, 0, 2)))
     return errors
 
 

@@ -12,6 +12,7 @@ import signal
 import pytest
 import torch.distributed as dist
 
+from nemo_automodel.components.distributed.blockdiag_cp import topology
 from nemo_automodel.components.training import failure
 from nemo_automodel.components.training.failure import PeerFailureError, is_broken_collective, translate_failure
 
@@ -72,6 +73,36 @@ def test_a_broken_collective_wrapped_by_another_error_is_still_one():
             raise OSError("checkpoint save failed") from inner
     except OSError as outer:
         assert is_broken_collective(outer)
+
+
+class _WriteDuringRead:
+    """A store whose ``writer`` runs just before the ``at``-th ``check``: a peer writing while this rank reads."""
+
+    def __init__(self, at: int, writer) -> None:
+        self.store, self.at, self.writer, self.checks = dist.HashStore(), at, writer, 0
+
+    def check(self, keys):
+        self.checks += 1
+        if self.checks == self.at:
+            self.writer(self.store)
+        return self.store.check(keys)
+
+    def set(self, key, value):
+        self.store.set(key, value)
+
+    def get(self, key):
+        return self.store.get(key)
+
+
+def test_lost_ranks_written_while_a_peer_reads_are_read_all_or_none(monkeypatch):
+    """Both ranks of a killed node are named, never one (a survivor read between two writes in CI)."""
+    node2 = topology.RankHost("node2", "10.0.0.12")
+    monkeypatch.setattr(topology, "lost_peers", lambda exc, rank: {2: node2, 3: node2})
+    seen = []
+    for at in range(1, 12):  # the write lands before each of the reader's checks in turn (4 ranks, 2 kinds of key)
+        store = _WriteDuringRead(at, lambda s: failure.report_lost_peers(s, 1, GLOO_CLOSED))
+        seen.append(sorted(failure.peer_reports(store, 0, 4)))
+    assert set(map(tuple, seen)) == {(), (2, 3)}, seen
 
 
 class _GoneStore:

@@ -18,7 +18,9 @@ c10d store the ranks already share:
 - when no rank reported but the broken connection's peer address belongs to
   another host (``blockdiag_cp.topology``, recorded at mesh build), the ranks on
   that host are reported as lost, for this rank and for peers whose collective
-  breaks later because this rank left.
+  breaks later because this rank left. The lost ranks are written as one value
+  (``failure/lost-by/<reporter>``), so a peer reading while they are written
+  sees all of them or none.
 
 Errors every rank raises together (the CP core's kernel-failure consensus, the
 step agreement check) are not broken collectives: every rank reports and raises
@@ -29,6 +31,7 @@ process exited) the original error is raised unchanged.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import signal
 import threading
@@ -41,6 +44,8 @@ from nemo_automodel.components.distributed.blockdiag_cp import topology
 logger = logging.getLogger(__name__)
 
 KEY_PREFIX = "failure/"
+# One key per rank that deduced lost peers: all of one host's ranks in a single store write.
+LOST_PREFIX = f"{KEY_PREFIX}lost-by/"
 # How a broken collective reads on gloo (plain RuntimeErrors) and NCCL (DistBackendError).
 _TRANSPORT_MARKERS = (
     "gloo/transport",
@@ -83,20 +88,33 @@ def report_failure(store: dist.Store, rank: int, exc: BaseException) -> None:
 
 
 def peer_reports(store: dist.Store, rank: int, world: int) -> dict[int, str]:
-    """Failures other ranks have reported so far, ``{rank: report}`` (non-blocking: ``check`` before ``get``)."""
+    """Failures reported so far, ``{rank: report}`` (non-blocking: ``check`` before ``get``).
+
+    Other ranks' own reports, plus every rank's deduced lost peers (this rank's
+    included: a later failure reads what an earlier one deduced). A rank's own
+    report wins over a deduction about it.
+    """
+    lost: dict[int, str] = {}
+    for reporter in range(world):
+        key = f"{LOST_PREFIX}{reporter}"
+        if store.check([key]):
+            lost.update({int(r): text for r, text in json.loads(store.get(key).decode()).items()})
     keys = {r: f"{KEY_PREFIX}{r}" for r in range(world) if r != rank}
-    return {r: store.get(key).decode() for r, key in keys.items() if store.check([key])}
+    return lost | {r: store.get(key).decode() for r, key in keys.items() if store.check([key])}
 
 
 def report_lost_peers(store: dist.Store, rank: int, exc: BaseException) -> dict[int, str]:
-    """Report the ranks on the host behind ``exc``'s peer address as lost (they could not report themselves)."""
+    """Report the ranks on the host behind ``exc``'s peer address as lost (they could not report themselves).
+
+    Written in one store write: a peer reading concurrently names all of them or none.
+    """
     reports = {
         lost: f"rank {lost}: lost without a report: the connection to {place.host} ({place.address}) broke "
         f"(killed, or its host went down)"
         for lost, place in topology.lost_peers(exc, rank).items()
     }
-    for lost, report in reports.items():
-        store.set(f"{KEY_PREFIX}{lost}", report)
+    if reports:
+        store.set(f"{LOST_PREFIX}{rank}", json.dumps(reports))
     return reports
 
 
