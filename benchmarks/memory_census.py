@@ -7,12 +7,19 @@ most live tensor bytes and sorts those bytes into the categories below, from tor
 (parameter, gradient, optimizer state, activation, temporary) refined by the Python frame that allocated
 them (the K/V exchange, the batch sharder, the loss). Resident memory (``VmRSS``) is read at every mark:
 what it holds beyond the bare process and the live tensors is the allocator's retention.
+
+Counts without the profiler (``PhaseMarks`` alone, ``--counts``): at every mark the peak RSS of the phase that
+ended there (``VmHWM``, reset at each mark through ``/proc/self/clear_refs``), glibc's heap bytes in use and
+free (``mallinfo2``: free heap chunks are resident until trimmed, which is the retention), the bytes glibc
+mapped for large blocks, and the minor page faults of the phase (``getrusage``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
+import resource
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
@@ -37,11 +44,70 @@ BUCKETS = (
 _MARK = "census:"
 
 
+def _status_mib(field: str) -> float:
+    with open("/proc/self/status") as status:
+        line = next(s for s in status if s.startswith(field + ":"))
+    return int(line.split()[1]) / 1024
+
+
 def rss_mib() -> float:
     """This process's resident memory now (``VmRSS``), MiB."""
-    with open("/proc/self/status") as status:
-        line = next(s for s in status if s.startswith("VmRSS:"))
-    return int(line.split()[1]) / 1024
+    return _status_mib("VmRSS")
+
+
+_peak_before_reset_mib = 0.0  # the largest VmHWM read before a reset (marks reset it per phase)
+
+
+def peak_rss_mib() -> float:
+    """This process's own peak resident memory over its life, MiB.
+
+    ``VmHWM`` is the high-water mark of this process's address space since ``exec``. ``ru_maxrss`` is not: a
+    spawned worker inherits the RSS high-water mark of the process that spawned it (Linux records the old
+    address space's peak at ``exec``), so it can never read below the driver's RSS.
+    """
+    return max(_peak_before_reset_mib, _status_mib("VmHWM"))
+
+
+def _phase_peak_mib() -> float:
+    """Peak RSS since the previous call (``VmHWM``, then reset to the current RSS), MiB."""
+    global _peak_before_reset_mib
+    peak = _status_mib("VmHWM")
+    _peak_before_reset_mib = max(_peak_before_reset_mib, peak)
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # 5: reset the peak RSS (Linux >= 4.0)
+    return peak
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks")
+    ] + [("keepcost", ctypes.c_size_t)]
+
+
+def heap_counts() -> dict[str, float]:
+    """glibc's allocator now, MiB: heap bytes in use and free (all arenas; ``heap_top``: the free top of the main
+    heap, which a trim can return), bytes in mapped blocks; {} off glibc."""
+    try:
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return {}
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    mib = {"heap_used": info.uordblks, "heap_free": info.fordblks, "heap_top": info.keepcost, "mapped": info.hblkhd}
+    return {k: v / 2**20 for k, v in mib.items()}
+
+
+def counts_now() -> dict[str, float]:
+    """What a mark records: peak RSS of the phase ending now, RSS, heap, minor faults and CPU seconds so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {
+        "peak_rss": _phase_peak_mib(),
+        "rss": rss_mib(),
+        **heap_counts(),
+        "minflt": float(usage.ru_minflt),
+        "cpu_s": usage.ru_utime + usage.ru_stime,
+    }
 
 
 class PhaseMarks:
@@ -49,12 +115,25 @@ class PhaseMarks:
 
     def __init__(self) -> None:
         self.rss: dict[str, float] = {}
+        self.counts: dict[str, dict[str, float]] = {}  # at each mark (see ``counts_now``)
         self._handles: list[Any] = []
 
     def mark(self, phase: str) -> None:
-        self.rss.setdefault(phase, rss_mib())
+        if phase not in self.counts:
+            self.counts[phase] = counts_now()
+            self.rss[phase] = self.counts[phase]["rss"]
         with record_function(_MARK + phase):
             pass
+
+    def per_phase(self) -> dict[str, dict[str, float]]:
+        """Per phase: its peak RSS, RSS and heap at its end, and its minor faults and CPU seconds."""
+        order = [p for p in (*PHASES, "end") if p in self.counts]
+        out = {}
+        for phase, after in itertools.pairwise(order):
+            end, start = self.counts[after], self.counts[phase]
+            out[phase] = {k: v for k, v in end.items() if k not in ("minflt", "cpu_s")}
+            out[phase] |= {k: end[k] - start[k] for k in ("minflt", "cpu_s")}
+        return out
 
     @contextlib.contextmanager
     def installed(self, model: torch.nn.Module) -> Iterator[None]:

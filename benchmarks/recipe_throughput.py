@@ -30,13 +30,12 @@ import argparse
 import contextlib
 import json
 import os
-import resource
 import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import memory_census  # this script's folder
 import torch
@@ -45,6 +44,8 @@ import torch.multiprocessing as mp
 from nemo_automodel.components.config.schema import FinetuneConfig, to_plain_dict
 from nemo_automodel.components.launcher.local import free_port
 from nemo_automodel.testing.syncs import count_syncs
+
+Census = Literal["off", "counts", "tensors"]
 
 
 @dataclass(frozen=True)
@@ -70,12 +71,15 @@ LAYOUTS: dict[str, Run] = {
 }
 
 
-def _rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def _worker(
-    rank: int, run: Run, port: int, payload: dict[str, Any], run_dir: str, warmup: int, syncs: bool, census: bool
+    rank: int,
+    run: Run,
+    port: int,
+    payload: dict[str, Any],
+    run_dir: str,
+    warmup: int,
+    syncs: bool,
+    census: Census,
 ) -> None:
     from nemo_automodel.recipes import finetune
 
@@ -88,7 +92,7 @@ def _worker(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
-    bare_rss = _rss_mib()
+    bare_rss = memory_census.peak_rss_mib()
     steps: list[dict[str, Any]] = []
     real_train_step = finetune.train_step
 
@@ -96,11 +100,13 @@ def _worker(
 
     def measured_step(*args: Any, **kwargs: Any) -> Any:
         counting = syncs and len(steps) == warmup  # one counted step, after the warm-up
-        if census and len(steps) == warmup:  # the census step, after the warm-up (not timed)
+        if census != "off" and len(steps) == warmup:  # the census step, after the warm-up (not timed)
             marks = memory_census.PhaseMarks()
-            with memory_census.profiled() as prof, marks.installed(args[0]):
+            profiler = memory_census.profiled() if census == "tensors" else contextlib.nullcontext()
+            with profiler as prof, marks.installed(args[0]):
                 real_train_step(*args, **kwargs)
-            censused.update(memory_census.analyse(prof, marks.rss))
+            censused.update(memory_census.analyse(prof, marks.rss) if prof is not None else {})
+            censused["counts"] = marks.per_phase()
         with count_syncs() if counting else contextlib.nullcontext() as counts:
             began = time.perf_counter()
             result = real_train_step(*args, **kwargs)
@@ -122,7 +128,7 @@ def _worker(
         "median_step_s": statistics.median(s["step_s"] for s in measured),
         "exchange_share": statistics.median(s["exchange_s"] / s["step_s"] for s in measured),
         "median_exchange_ms": 1000 * statistics.median(s["exchange_s"] for s in measured),
-        "peak_rss_mib": _rss_mib(),
+        "peak_rss_mib": memory_census.peak_rss_mib(),
         "bare_rss_mib": bare_rss,
         "counted": measured[0] if syncs else None,
         "census": censused or None,
@@ -146,12 +152,13 @@ def run(
     warmup: int,
     extra: dict[str, Any] | None = None,
     syncs: bool = False,
-    census: bool = False,
+    census: Census = "off",
 ) -> dict:
     """Run ``run`` (plus ``extra`` overrides) and return each rank's summary, slowest first.
 
-    ``census``: the first step after the warm-up runs twice, first untimed under the memory census
-    (``memory_census.py``).
+    ``census``: the first step after the warm-up runs twice, first untimed with marks at its phases that
+    count RSS, heap and page faults (``"counts"``), and also under the profiler's tensor census
+    (``"tensors"``, ``memory_census.py``).
     """
     payload = _config({**run.overrides, **(extra or {})}, steps)
     with tempfile.TemporaryDirectory() as run_dir:
@@ -238,8 +245,42 @@ def _scaling(args: argparse.Namespace) -> None:
         longest = {b: (b - fits[n][0]) / fits[n][1] / ((b - fits[base][0]) / fits[base][1]) for b in args.budgets_mib}
         rows = ", ".join(f"{b} MiB {x:.2f}x" for b, x in longest.items())
         print(f"{n} vs {base}: slope {slope:.2f}x; longest row per rank budget: {rows}")
-    if args.census:
+    if args.census != "off":
+        _counts_table(table, args.seq_lens)
+    if args.census == "tensors":
         _census_table(table, args.seq_lens)
+
+
+COUNTS = {
+    "peak_rss": "peak RSS in the phase",
+    "heap_used": "glibc heap in use at its end",
+    "heap_free": "glibc heap free (resident) at end",
+    "heap_top": "  of which the heap's free top",
+    "mapped": "glibc mapped blocks at its end",
+    "minflt": "minor page faults (per 1K: count)",
+}
+
+
+def _counts_table(table: dict[str, dict[int, dict[str, Any]]], seq_lens: list[int]) -> None:
+    """Per phase of the marked step: slopes (per 1K row tokens, the largest rank) of its peak RSS, glibc's heap
+    in use and free and mapped blocks (MiB), and its minor page faults; then the values at the longest row."""
+    names = list(table)
+    longest = seq_lens[-1]
+
+    def value(name: str, seq_len: int, phase: str, key: str) -> float:
+        return max(r["census"]["counts"].get(phase, {}).get(key, 0.0) for r in table[name][seq_len]["ranks"])
+
+    print("\ncounts of the marked step: slope per 1K row tokens (MiB; faults: count), largest rank")
+    print(f"{'phase':<10}{'count':<36}" + "".join(f"{n:>10}" for n in names))
+    for phase in memory_census.PHASES:
+        for key, label in COUNTS.items():
+            slopes = [1024 * _fit([(s, value(n, s, phase, key)) for s in seq_lens])[1] for n in names]
+            print(f"{phase:<10}{label:<36}" + "".join(f"{x:>10.1f}" for x in slopes))
+    print(f"\nthe same at {longest} tokens (MiB; faults: count; CPU seconds of the phase)")
+    for phase in memory_census.PHASES:
+        for key in (*COUNTS, "cpu_s"):
+            cells = "".join(f"{value(n, longest, phase, key):>10.1f}" for n in names)
+            print(f"{phase:<10}{COUNTS.get(key, 'CPU seconds'):<36}" + cells)
 
 
 def _census_table(table: dict[str, dict[int, dict[str, Any]]], seq_lens: list[int]) -> None:
@@ -313,7 +354,20 @@ def main() -> None:
     parser.add_argument(
         "--ac", nargs="+", type=lambda v: v == "on", default=[False], help="--scaling: activation checkpointing off/on"
     )
-    parser.add_argument("--census", action="store_true", help="--scaling: memory census per phase and category")
+    parser.add_argument(
+        "--census",
+        action="store_const",
+        const="tensors",
+        default="off",
+        help="--scaling: live tensors per phase and category (profiler), plus --counts",
+    )
+    parser.add_argument(
+        "--counts",
+        dest="census",
+        action="store_const",
+        const="counts",
+        help="--scaling: per phase peak RSS, glibc heap in use / free, mapped blocks, minor faults (no profiler)",
+    )
     parser.add_argument("--seq-lens", nargs="+", type=int, default=[4096, 8192, 16384, 32768, 65536])
     parser.add_argument("--budgets-mib", nargs="+", type=int, default=[2048, 4096, 8192])
     parser.add_argument("--syncs", action="store_true", help="control collectives and host syncs per layer")
