@@ -1,4 +1,4 @@
-"""CPU allocator retention: with the fixed mmap threshold, freed activation-sized tensors leave RSS at once."""
+"""CPU allocator retention: with fixed malloc thresholds, freed tensors leave RSS at once; the environment wins."""
 
 from __future__ import annotations
 
@@ -8,39 +8,90 @@ import sys
 
 import pytest
 
-from nemo_automodel.components.distributed.cpu_memory import MMAP_THRESHOLD_ENV, fix_mmap_threshold
+from nemo_automodel.components.config.schema import DistConfig
+from nemo_automodel.components.distributed import cpu_memory
+from nemo_automodel.components.distributed.cpu_memory import THRESHOLDS, set_malloc_thresholds
 
-# In a fresh process: free one 16 MiB tensor (glibc's dynamic threshold rises to 16 MiB), then allocate twenty
-# 8 MiB tensors, free all but the last, and print how much RSS the freed 152 MiB still hold.
+# In a fresh process: free one 16 MiB tensor (glibc's dynamic mmap threshold rises to 16 MiB), then allocate a
+# hundred 512 KiB tensors (a rank's per-head, per-document pieces), free all but the last, and print how much RSS
+# the freed 49.5 MiB still hold. argv[1]: the threshold in KiB, or "none" for glibc's dynamic thresholds.
 _PROBE = """
 import sys, torch
-from nemo_automodel.components.distributed.cpu_memory import fix_mmap_threshold
-if sys.argv[1] == "fixed":
-    assert fix_mmap_threshold()
+from nemo_automodel.components.distributed.cpu_memory import set_malloc_thresholds
+print(set_malloc_thresholds(None if sys.argv[1] == "none" else int(sys.argv[1])))
 def rss():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS:")).split()[1]) / 1024
 torch.ones(4 << 20).sum()  # allocated, touched and freed
-blocks = [torch.ones(2 << 20) for _ in range(20)]
+blocks = [torch.ones(128 << 10) for _ in range(100)]
 before = rss()
 del blocks[:-1]
-print(rss() - before)
+print(before - rss())
 """
 
 
-def _retained_mib(mode: str) -> float:
-    env = {k: v for k, v in os.environ.items() if k != MMAP_THRESHOLD_ENV}
-    out = subprocess.run([sys.executable, "-c", _PROBE, mode], env=env, capture_output=True, text=True, timeout=120)
+def _released_mib(threshold: str) -> float:
+    env = {k: v for k, v in os.environ.items() if k not in {t.env for t in THRESHOLDS} | {"GLIBC_TUNABLES"}}
+    command = [sys.executable, "-c", _PROBE, threshold]
+    out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    return -float(out.stdout.strip().splitlines()[-1])
+    return float(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc behaviour")
-def test_fixed_threshold_returns_freed_tensors() -> None:
-    released_default, released_fixed = _retained_mib("default"), _retained_mib("fixed")
-    assert released_fixed > 140, f"freed 152 MiB, RSS fell by only {released_fixed:.0f} MiB with the fixed threshold"
-    assert released_default < 20, f"glibc's dynamic threshold released {released_default:.0f} MiB: probe is moot"
+def test_default_thresholds_return_freed_small_tensors() -> None:
+    default = DistConfig().cpu_malloc_threshold_kib
+    released = {t: _released_mib(t) for t in ("none", "1024", str(default))}
+    assert released[str(default)] > 45, f"freed 49.5 MiB, RSS fell by {released} MiB (threshold: released)"
+    assert released["none"] < 5 and released["1024"] < 5, f"the probe is moot: {released}"
 
 
-def test_environment_wins(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(MMAP_THRESHOLD_ENV, "65536")
-    assert fix_mmap_threshold() is False
+class _Recorder:
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int]] = []
+
+    def __call__(self, param: int, value: int) -> int:
+        self.calls.append((param, value))
+        return 1
+
+
+@pytest.fixture
+def mallopt(monkeypatch: pytest.MonkeyPatch) -> _Recorder:
+    recorder = _Recorder()
+    monkeypatch.setattr(cpu_memory, "_mallopt", lambda: recorder)
+    for name in (*(t.env for t in THRESHOLDS), "GLIBC_TUNABLES"):
+        monkeypatch.delenv(name, raising=False)
+    return recorder
+
+
+def test_both_thresholds_fixed(mallopt: _Recorder) -> None:
+    message = set_malloc_thresholds(128)
+    assert mallopt.calls == [(-3, 128 << 10), (-1, 128 << 10)]
+    assert "mmap and trim thresholds fixed at 128 KiB" in message
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "kept"),
+    [
+        ("MALLOC_MMAP_THRESHOLD_", "65536", "mmap"),
+        ("MALLOC_TRIM_THRESHOLD_", "0", "trim"),
+        ("GLIBC_TUNABLES", "glibc.malloc.arena_max=2:glibc.malloc.mmap_threshold=4096", "mmap"),
+    ],
+)
+def test_environment_wins(
+    mallopt: _Recorder, monkeypatch: pytest.MonkeyPatch, name: str, value: str, kept: str
+) -> None:
+    monkeypatch.setenv(name, value)
+    message = set_malloc_thresholds(128)
+    fixed = {t.param for t in THRESHOLDS if t.name != kept}
+    assert {param for param, _ in mallopt.calls} == fixed
+    assert f"{kept} kept from the environment" in message and value.split(":")[-1] in message
+
+
+def test_none_leaves_glibc_alone(mallopt: _Recorder) -> None:
+    assert "dynamic" in set_malloc_thresholds(None) and mallopt.calls == []
+
+
+@pytest.mark.parametrize("value", [0, -1, 32 * 1024 + 1])
+def test_out_of_range_threshold_is_refused(value: int) -> None:
+    with pytest.raises(ValueError, match=r"dist\.cpu_malloc_threshold_kib"):
+        DistConfig(cpu_malloc_threshold_kib=value)

@@ -57,6 +57,7 @@ from nemo_automodel.components.config.schema import (
 from nemo_automodel.components.datasets.formats import answer_only
 from nemo_automodel.components.datasets.loader import PackedData, RowSchedule, load_data, rows_for_rank
 from nemo_automodel.components.datasets.tokenizer import HFTokenizer, build_tokenizer
+from nemo_automodel.components.distributed.cpu_memory import set_malloc_thresholds
 from nemo_automodel.components.distributed.parallel import (
     Topology,
     build_meshes,
@@ -179,13 +180,14 @@ def worker_main(payload: dict[str, Any], run_dir: str) -> int:
         return report_input_error(exc, rank == 0)
     device = training_device(local_rank)
     threads = set_threads(config.dist.threads, int(os.environ.get("LOCAL_WORLD_SIZE", world)), device)
+    malloc = set_malloc_thresholds(config.dist.cpu_malloc_threshold_kib) if device.type == "cpu" else None
     init_process_group(device, config.dist.pg_timeout_s)
     try:
         with propagate_failures(rank, world):  # a failure here is named on every rank, not just a broken collective
             shared = [run_dir]
             dist.broadcast_object_list(shared, src=0)  # under torchrun every rank's Hydra made its own dir: rank 0's
             try:
-                return train(config, Path(shared[0]), topology, device, threads)
+                return train(config, Path(shared[0]), topology, device, threads, malloc)
             except InputError as exc:  # every rank raises it (config checks, rank 0's data outcome): rank 0 says it
                 return report_input_error(exc, topology.is_main)
     finally:
@@ -193,12 +195,17 @@ def worker_main(payload: dict[str, Any], run_dir: str) -> int:
 
 
 def train(
-    config: FinetuneConfig, run_dir: Path, topology: Topology, device: torch.device, threads: str | None = None
+    config: FinetuneConfig,
+    run_dir: Path,
+    topology: Topology,
+    device: torch.device,
+    threads: str | None = None,
+    malloc: str | None = None,
 ) -> int:
     """Collective: the training job on an initialized process group; return 0 or :data:`EXIT_PREEMPTED`.
 
-    ``threads``: how :func:`worker_main` set this process's threads, to log (callers that set them
-    themselves, like the test pools, pass nothing).
+    ``threads``, ``malloc``: how :func:`worker_main` set this process's threads and glibc's malloc thresholds, to
+    log (callers that set them themselves, like the test pools, pass nothing).
 
     Raises:
         InputError: on every rank, for a config, path or data problem found while setting up.
@@ -206,6 +213,8 @@ def train(
     configure_logging(topology.rank, run_dir)
     if threads is not None:
         logger.info("threads: %s", threads)
+    if malloc is not None:
+        logger.info("CPU malloc: %s", malloc)
     trainer = config.trainer
     seed_everything(trainer.seed)
     with input_errors():

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from nemo_automodel.components.distributed.blockdiag_cp.cost import Shape
 from nemo_automodel.components.distributed.blockdiag_cp.options import CPOptions, config_node_fields
+from nemo_automodel.components.distributed.cpu_memory import MAX_THRESHOLD_KIB
 
 # How the model's attention reaches block-diagonal CP:
 # - ``hf_interface``: a function registered in transformers' ``AttentionInterface``
@@ -336,6 +337,12 @@ class DistConfig:
         threads: Intra-op CPU threads per worker (``torch.set_num_threads``). ``None``: ``OMP_NUM_THREADS``
             when set, else on CPU each worker's share of the cores (``cpu_count // local workers``), on CUDA
             torch's default. The choice and its reason are logged.
+        cpu_malloc_threshold_kib: CPU workers: glibc's mmap and trim thresholds in KiB, fixed once at start-up
+            (blocks of at least this size are mapped and unmapped on free; a free heap top of this size is
+            returned). It keeps peak RSS near the live tensors: with glibc's dynamic thresholds freed tensors stay
+            resident. Lower: less resident memory, more page faults. ``None``: glibc's dynamic thresholds.
+            ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` or ``GLIBC_TUNABLES`` in the environment win.
+            What was set is logged (docs/performance.md).
     """
 
     dp_size: int | None = None
@@ -343,6 +350,7 @@ class DistConfig:
     master_port: int | None = None
     shutdown_timeout_s: int = 300
     threads: int | None = None
+    cpu_malloc_threshold_kib: int | None = 128
 
     def __post_init__(self) -> None:
         if self.dp_size is not None:
@@ -351,6 +359,11 @@ class DistConfig:
         _require_positive("dist.shutdown_timeout_s", self.shutdown_timeout_s)
         if self.threads is not None:
             _require_positive("dist.threads", self.threads)
+        if self.cpu_malloc_threshold_kib is not None and not 1 <= self.cpu_malloc_threshold_kib <= MAX_THRESHOLD_KIB:
+            raise ValueError(
+                f"dist.cpu_malloc_threshold_kib={self.cpu_malloc_threshold_kib} must be in [1, {MAX_THRESHOLD_KIB}] "
+                "(glibc's largest mmap threshold); use null for glibc's dynamic thresholds"
+            )
 
 
 @dataclass

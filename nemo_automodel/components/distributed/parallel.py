@@ -24,7 +24,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from nemo_automodel.components.distributed.blockdiag_cp import topology as hosts
-from nemo_automodel.components.distributed.cpu_memory import fix_mmap_threshold
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +72,6 @@ def training_device(local_rank: int) -> torch.device:
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
-    fix_mmap_threshold()  # freed tensors leave RSS at once (components/distributed/cpu_memory.py)
     return torch.device("cpu")
 
 
