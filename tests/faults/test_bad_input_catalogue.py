@@ -587,6 +587,7 @@ RECIPE: dict[str, Callable[[], Any]] = {
     "config-hidden-divisible": _values("model.hidden_size=250"),
     "config-doc-len-range": _values("data.min_doc_len=10", "data.max_doc_len=5"),
     "config-betas": _values("optim.betas=[0.9]"),
+    "config-range-dist-cpu-malloc-threshold-kib": _values("dist.cpu_malloc_threshold_kib=0"),
     "config-min-lr-ratio": _values("optim.min_lr_ratio=2"),
     "config-resume": _values("trainer.resume=sometimes"),
     "config-on-nonfinite": _values("trainer.on_nonfinite=ignore"),
