@@ -1046,15 +1046,19 @@ def test_fa3_sinks_refuse_the_2024_pair_by_name():
     )
 
 
-def test_fa3_sinks_refuse_a_forward_that_returns_no_lse():
+@pytest.mark.parametrize(
+    "returned",
+    [lambda result: result[0], lambda result: (result[0], result[1].t())],  # no lse; an lse [n, Hq]
+)
+def test_fa3_sinks_refuse_a_forward_that_returns_no_lse(returned):
     """A build whose private forward returns something else than ``(out, softmax_lse [Hq, n], ...)`` raises."""
     forward, backward = _main_pair()
 
-    def out_only(**arguments):
-        return forward(**arguments)[0]
+    def other(**arguments):
+        return returned(forward(**arguments))
 
-    out_only.__signature__ = inspect.signature(forward)
-    lse, _ = gpu_libraries._probe_fa3_lse(_pair_module(out_only, backward))
+    other.__signature__ = inspect.signature(forward)
+    lse, _ = gpu_libraries._probe_fa3_lse(_pair_module(other, backward))
     q = torch.randn(6, 2, 8, dtype=torch.float64)
     seqlens = (torch.tensor([0, 6], dtype=torch.int32), torch.tensor([0, 6], dtype=torch.int32), 6, 6)
     with fake_kernels(), pytest.raises(RuntimeError, match=r"did not return \(out, softmax_lse"):
