@@ -13,7 +13,10 @@ and the checks of that era's hopper/flash_api.cpp:
   ``SOFTCAP``, ``BACKWARD``, ``VARLEN``, ``FP16`` raise; ``HDIM<n>`` removes a head-dim bucket;
   ``HDIMDIFF64``/``HDIMDIFF192`` leave Dv != D to a kernel of the wrong width (NaN here);
 - returns ``(out, softmax_lse)`` before 2025-07-11, ``out`` after, the pair again with
-  ``return_attn_probs=True`` (main).
+  ``return_attn_probs=True`` (main);
+- the private ``_flash_attn_forward``/``_flash_attn_backward`` of each era (below the public functions), which
+  sinks use: the forward returns ``softmax_lse``, the backward takes ``out``/``softmax_lse`` and writes
+  ``dq``/``dk``/``dv``.
 
 Semantics: ``fake_varlen_core``.
 """
