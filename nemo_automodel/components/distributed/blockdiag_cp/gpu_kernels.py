@@ -313,7 +313,7 @@ class FlashFunctions:
     fixed: Callable[..., Any]
     varlen: Callable[..., Any]
     takes_dropout: bool
-    lse: libs_.FlashLse | None = None  # flash-attn 2's private forward/backward pair, for sinks
+    lse: libs_.FlashLse | libs_.Fa3Lse | None = None  # the library's private forward/backward pair, for sinks
 
 
 def _flash_family(
@@ -334,7 +334,7 @@ def _flash_family(
     ``softcap=c``; plain calls pass neither (older builds lack them).
     """
     if variant.sinks is not None:
-        assert functions.lse is not None  # flash_variant_problem refused the call otherwise
+        assert functions.lse is not None  # the variant check refused the call otherwise
         scale = q.shape[2] ** -0.5 if scale is None else scale
         call = _LseCall(functions.lse, meta, scale, flash_window(meta.window), float(variant.softcap or 0.0))
         return (_FlashSinks.apply(q, k, v, variant.sinks, call),)
@@ -366,9 +366,9 @@ def _flash_family(
 
 @dataclass(frozen=True)
 class _LseCall:
-    """One group's calls of flash-attn 2's private pair (:class:`.gpu_libraries.FlashLse`) and their options."""
+    """One group's calls of a private pair (:class:`.gpu_libraries.FlashLse`, :class:`.gpu_libraries.Fa3Lse`)."""
 
-    lse: libs_.FlashLse
+    lse: libs_.FlashLse | libs_.Fa3Lse
     meta: VarlenMeta
     scale: float
     window: tuple[int, int]
@@ -408,7 +408,7 @@ class _LseCall:
 
 
 class _FlashSinks(torch.autograd.Function):
-    """flash-attn 2 with sinks ``[Hq]``: ``q [n, Hq, D]`` over ``k/v [K, Hkv, D]`` -> ``[n, Hq, D]``.
+    """flash-attn 2 or FA3 with sinks ``[Hq]``: ``q [n, Hq, D]`` over ``k/v [K, Hkv, D]`` -> ``[n, Hq, D]``.
 
     Each piece's sink-free output is scaled by ``a = sigmoid(lse - sink)``; backward calls the private
     backward with ``a * dout`` and the scaled output (the algebra of :class:`.cpu_kernels._LseAttention`),
@@ -468,7 +468,7 @@ def _flash_library(
     if library == "fa3" and dropout_p > 0:
         raise ValueError("fa3 has no dropout; attn_backend='fa3' needs dropout_p=0")
     _require(facts.problem)
-    lse = libs.flash.lse if library == "flash" else None
+    lse = libs.flash.lse if library == "flash" else libs.fa3.lse
     functions = FlashFunctions(facts.fixed, facts.varlen, takes_dropout=library == "flash", lse=lse)
     return _flash_family(q, k, v, meta, scale, dropout_p, variant, functions)
 
