@@ -440,6 +440,8 @@ def _attend(
         state.stats.exchange_calls += 1
     if state.options.consensus == "call":
         _settle_call(state, recorder, "forward", query.device)
+    if op is not None and consensus.saved_tensor_hooks_active():  # checkpointed: one recompute, same on every rank
+        out = exchange.recompute_fence(out)
     return out
 
 
