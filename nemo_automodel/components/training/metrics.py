@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import statistics
+import sys
 from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -151,13 +153,23 @@ def _tensorboard_writer(directory: Path) -> Any:
 LOG_FILE = "finetune.log"
 
 
+DATASETS_BARS_ENV = "HF_DATASETS_DISABLE_PROGRESS_BARS"  # read by ``datasets`` when it is imported
+
+
 def quiet_progress_bars() -> None:
-    """Turn off the progress bars of transformers (loading and saving weights) and ``datasets`` in this process."""
-    import datasets
+    """Turn off the progress bars of transformers (loading and saving weights) and ``datasets`` in this process.
+
+    ``datasets`` is not imported for it: with pyarrow its import costs a rank ~75 MiB of resident memory
+    (docs/performance.md), and a rank that trains on synthetic or cached rows never needs it. When it is not
+    imported yet, its environment switch turns the bars off at import (a value the user set is kept).
+    """
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()
-    datasets.disable_progress_bars()
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].disable_progress_bars()
+    else:
+        os.environ.setdefault(DATASETS_BARS_ENV, "1")
 
 
 def configure_logging(rank: int, run_dir: Path | None = None) -> None:
