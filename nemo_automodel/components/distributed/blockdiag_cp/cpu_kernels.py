@@ -431,7 +431,10 @@ def _merge_blocks(parts: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.d
     if len(parts) == 1:
         return parts[0][0].to(dtype), parts[0][1]
     lse = torch.stack([lse for _, lse in parts]).logsumexp(dim=0)
-    out = sum(torch.exp(part_lse - lse).unsqueeze(-1) * part for part, part_lse in parts)
+    weights = [torch.exp(part_lse - lse).unsqueeze(-1) for _, part_lse in parts]
+    out = parts[0][0] * weights[0]  # then accumulated in place: one output-sized write per further block
+    for (part, _), weight in zip(parts[1:], weights[1:]):
+        out.addcmul_(part, weight)
     return out.to(dtype), lse
 
 
