@@ -19,7 +19,6 @@ from nemo_automodel.components.distributed.blockdiag_cp.options import CPOptions
 
 if TYPE_CHECKING:
     from nemo_automodel.components.distributed.blockdiag_cp.cost import Shape
-    from nemo_automodel.components.distributed.blockdiag_cp.exchange import ExchangeOp
     from nemo_automodel.components.distributed.blockdiag_cp.gpu_libraries import GpuLibraries
     from nemo_automodel.components.distributed.blockdiag_cp.heads import RowPlan
     from nemo_automodel.components.distributed.blockdiag_cp.layout import ShardPlan
@@ -98,10 +97,6 @@ class RowCache:
         finite: Per CP call, a device bool ``[3]``: are q, k, v all finite (no host sync).
         preflight: Answers of the seed's ``compat._needed_only_preflight`` (its collective runs once per key).
         ulysses: Per (window or chunk, Hq, Hkv), the head-parallel plan of ``kv_exchange="ulysses"``.
-        posted: Exchange ops posted but not yet waited, by ``id``, kept alive until the row ends. Non-reentrant
-            checkpointing stops a recompute once its saved tensors are back, which can be before the op's wait
-            on a rank whose groups need nothing received; dropping the op then would drop its send in flight,
-            and its peer would wait forever. A waited op leaves this table (it dies with its graph).
     """
 
     windows: dict[PlanKey, WindowPlan] = field(default_factory=dict)
@@ -110,7 +105,6 @@ class RowCache:
     finite: list[torch.Tensor] = field(default_factory=list)
     preflight: dict[tuple[str, str, str, int, int], tuple[bool, str | None]] = field(default_factory=dict)
     ulysses: dict[tuple[PlanKey, int, int], RowPlan] = field(default_factory=dict)
-    posted: dict[int, ExchangeOp] = field(default_factory=dict)
 
 
 @dataclass
