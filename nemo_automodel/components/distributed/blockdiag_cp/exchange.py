@@ -369,7 +369,8 @@ class Route:
     into chunks; a group's packed keys are a concatenation of whole chunks.
 
     Attributes:
-        path: ``allgather``, ``halo``, ``a2a`` or ``ulysses`` (no K/V route: :mod:`.ulysses` moves heads).
+        path: ``allgather``, ``halo``, ``a2a``, ``ulysses`` or ``ulysses+*`` (no K/V route: heads move; a
+            hybrid's sequence part has its own route).
         reason: Why this path.
         plan: The replicated needed-only plan (``None`` for ``allgather``).
         local_cuts: Chunk sizes of the local ``L`` rows.
@@ -471,7 +472,7 @@ def make_route(
     local_len: int,
 ) -> Route:
     """Everything the layers of a step need to exchange and assemble keys along ``path`` (host work, once)."""
-    if path == "ulysses":  # heads travel, not keys (ulysses.py): every local chunk stays whole
+    if path.startswith("ulysses"):  # heads travel (ulysses.py, hybrid.py: its own route): local chunks stay whole
         return Route(path, reason, None, (local_len,), (), (), (), (0,) * world, (0,) * world, 0)
     if path != "allgather" and plan is None:
         raise ValueError(f"kv_exchange path {path!r} needs an exchange plan")

@@ -1,0 +1,117 @@
+"""Heads x sequence hybrid CP (``kv_exchange="ulysses+halo"`` / ``+a2a`` / ``+allgather``).
+
+Exact against the float64 reference on real gloo groups at cp=4 (2 x 2) and cp=6 (3 x 2): both layouts,
+MHA and GQA, head counts that do not divide ``h``, fewer K/V heads than ``h`` and fewer query heads than
+``h``, every CPU kernel, windows, chunks, soft-cap, sinks and ``Dv != D``, forward and backward; the K/V
+rows each part moved; the re-sharding of the sequence part; a kernel failure inside a hybrid step;
+the factorization's errors.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from nemo_automodel.components.distributed.blockdiag_cp import CPOptions, hybrid
+from nemo_automodel.components.distributed.blockdiag_cp.layout import doc_runs_from_ids, make_shard_plan
+from nemo_automodel.components.distributed.blockdiag_cp.topology import GroupHosts, RankHost
+from nemo_automodel.testing.cases import Case, layout
+from tests.test_parity_distributed import CPU_KERNELS, _check
+from tests.test_runtime import _fail_with_options
+
+HYBRIDS = ("ulysses+halo", "ulysses+a2a", "ulysses+allgather")
+# (Hq, Hkv): GQA, MHA, uneven over h=2 and 3 (K/V replicated per query head), one K/V head (fewer than h),
+# fewer query heads than h=3
+HEADS = ((4, 2), (4, 4), (6, 2), (3, 1), (2, 1))
+
+
+def _hosts(*names: str) -> GroupHosts:
+    return GroupHosts(tuple(range(len(names))), tuple(RankHost(n, n) for n in names))
+
+
+def test_factorization_defaults_and_errors_name_the_field_and_fix():
+    assert hybrid.factor("ulysses+halo", 4, None, None) == 2
+    assert hybrid.factor("ulysses+halo", 6, None, None) == 3  # largest proper divisor on one node
+    assert hybrid.factor("ulysses+halo", 6, 2, None) == 2
+    assert hybrid.factor("ulysses+a2a", 8, None, _hosts(*"aaaabbbb")) == 4  # the ranks of one node
+    with pytest.raises(ValueError, match=r"head_parallel=4 does not fit cp_size=6: set head_parallel to one of \[2, 3"):
+        hybrid.factor("ulysses+halo", 6, 4, None)
+    with pytest.raises(ValueError, match=r"cp=3 has no such factorization: use kv_exchange='ulysses' or 'halo'"):
+        hybrid.factor("ulysses+halo", 3, None, None)
+    with pytest.raises(ValueError, match=r"head_parallel=4 does not fit cp_size=4"):
+        hybrid.factor("ulysses+halo", 4, 4, None)
+    with pytest.raises(ValueError, match=r"head_parallel=2 applies to the heads x sequence hybrids only"):
+        CPOptions(kv_exchange="halo", head_parallel=2)
+    with pytest.raises(ValueError, match=r"head_parallel: expected an integer >= 2"):
+        CPOptions(kv_exchange="ulysses+halo", head_parallel=1)
+    assert CPOptions(kv_exchange="ulysses+a2a", head_parallel=3).head_parallel == 3
+
+
+@pytest.mark.parametrize("shard_layout", ["contiguous", "balanced"])
+@pytest.mark.parametrize(("cp", "h"), [(4, 2), (6, 3), (6, 2), (8, 4)])
+def test_the_sequence_part_holds_exactly_its_head_groups_rows(shard_layout, cp, h):
+    """Rank ``g`` of the sequence part holds head group ``g``'s real rows in inner order, its padding last."""
+    for name in ("straddle", "spans_many", "pad_rank", "tiny_docs"):
+        ids = layout(name, cp)
+        runs = doc_runs_from_ids(ids, "ids").padded_to(ids.shape[1] + (-ids.shape[1]) % (2 * cp))
+        shard = make_shard_plan(runs, cp, shard_layout)
+        merged = hybrid.sequence_plan(shard, h)
+        span = h * shard.local_len
+        for g in range(cp // h):
+            received = shard.permutation[g * span : (g + 1) * span]
+            order = hybrid.inner_order(shard, g, h)
+            inner = received if order is None else received[order]
+            assert torch.equal(merged.permutation[g * span : (g + 1) * span], inner), (name, g)
+            real = sum(p.length for p in merged.pieces[g])
+            assert bool((inner[real:] >= runs.n_real).all()) and bool((inner[:real] < runs.n_real).all())
+
+
+def test_every_head_shape_exchange_and_cpu_kernel_matches_reference_at_cp4(pools):
+    """h=2 x s=2: both layouts, every hybrid, every head shape, the CPU kernels in turn."""
+    combos = itertools.product(("straddle", "spans_many", "pad_rank"), ("contiguous", "balanced"), HYBRIDS)
+    cases = [
+        Case(layout(name, 4), CPU_KERNELS[i % len(CPU_KERNELS)], ex, HEADS[i % len(HEADS)], seed=400 + i, layout=lay)
+        for i, (name, lay, ex) in enumerate(combos)
+    ]
+    _check(pools, 4, cases)
+
+
+def test_every_variant_matches_reference_at_cp4(pools):
+    """Windows (mixed with full layers), chunks, soft-cap, sinks (sliced per head group member) and ``Dv != D``."""
+    variants = [
+        {"windows": (None, 3, 12)},
+        {"windows": (4,), "softcap": 2.0},
+        {"windows": (None, 6), "sinks": True},
+        {"softcap": 1.5, "sinks": True, "value_dim": 12},
+        {"chunks": (4,), "sinks": True},
+    ]
+    combos = itertools.product(("straddle", "tiny_docs"), ("contiguous", "balanced"), variants)
+    cases = [
+        Case(layout(name, 4), "sdpa_varlen", HYBRIDS[i % 2], HEADS[i % len(HEADS)], seed=4000 + i, layout=lay, **v)
+        for i, (name, lay, v) in enumerate(combos)
+    ]
+    _check(pools, 4, cases)
+
+
+def test_three_heads_by_two_sequence_ranks_at_cp6(pools):
+    """h=3 x s=2 (the default at cp=6): uneven head splits, fewer query or K/V heads than h."""
+    cases = [
+        Case(layout("spans_many", 6), "sdpa_varlen", ex, heads, seed=600 + i, layout=lay, sinks=i % 2 == 0)
+        for i, (lay, ex, heads) in enumerate(
+            itertools.product(("contiguous", "balanced"), HYBRIDS[:2], ((4, 2), (2, 1), (6, 6)))
+        )
+    ]
+    _check(pools, 6, cases)
+
+
+@pytest.mark.parametrize(("consensus_mode", "where"), [("step", "exit"), ("call", "call")])
+def test_a_kernel_failure_in_a_hybrid_step_raises_on_every_rank(pools, consensus_mode, where):
+    """Rank 1 (head group 0, sequence group {1, 3}) fails: every rank of the CP group raises, none hangs."""
+    options = CPOptions(attn_backend="sdpa_varlen", kv_exchange="ulysses+halo", consensus=consensus_mode)
+    results = pools.get(4).run_ok(_fail_with_options, 1, options, True, timeout=90)
+    for raised in results:
+        assert [w for w, _ in raised] == [where]
+        assert "forward failed on CP rank(s) [1] (CP rank 1: CP attention call 0)" in raised[0][1]
+    pools.ensure_healthy(4)
