@@ -14,7 +14,7 @@ import itertools
 import pytest
 import torch
 
-from nemo_automodel.components.distributed.blockdiag_cp import CPOptions, hybrid
+from nemo_automodel.components.distributed.blockdiag_cp import CPOptions, heads, hybrid
 from nemo_automodel.components.distributed.blockdiag_cp.layout import doc_runs_from_ids, make_shard_plan
 from nemo_automodel.components.distributed.blockdiag_cp.topology import GroupHosts, RankHost
 from nemo_automodel.testing.cases import Case, layout
@@ -57,7 +57,7 @@ def test_the_sequence_part_holds_exactly_its_head_groups_rows(shard_layout, cp, 
         ids = layout(name, cp)
         runs = doc_runs_from_ids(ids, "ids").padded_to(ids.shape[1] + (-ids.shape[1]) % (2 * cp))
         shard = make_shard_plan(runs, cp, shard_layout)
-        merged = hybrid.sequence_plan(shard, h)
+        merged = heads.sequence_plan(shard, h)
         span = h * shard.local_len
         for g in range(cp // h):
             received = shard.permutation[g * span : (g + 1) * span]

@@ -26,7 +26,7 @@ from functools import cached_property
 
 import torch
 
-from nemo_automodel.components.distributed.blockdiag_cp.layout import ShardPlan, make_shard_plan
+from nemo_automodel.components.distributed.blockdiag_cp.layout import DocPiece, ShardPlan, make_shard_plan
 from nemo_automodel.components.distributed.blockdiag_cp.metadata import VarlenMeta, build_window_plan
 
 HeadRange = tuple[int, int]
@@ -188,3 +188,25 @@ def build_row_plan(
     meta = build_window_plan(whole, 0, window, device, chunk).varlen_meta
     to_original = None if shard.is_identity else torch.argsort(shard.permutation)
     return RowPlan(head_exchange(heads, kv_heads, shard.cp, to_original, device), meta)
+
+
+def _merged(pieces: itertools.chain[DocPiece]) -> tuple[DocPiece, ...]:
+    """``pieces`` in order, a piece that continues the previous one's document joined to it."""
+    out: list[DocPiece] = []
+    for piece in pieces:
+        if out and out[-1].doc == piece.doc and out[-1].stop == piece.start:
+            out[-1] = DocPiece(piece.doc, out[-1].start, piece.stop)
+        else:
+            out.append(piece)
+    return tuple(out)
+
+
+def sequence_plan(shard: ShardPlan, h: int) -> ShardPlan:
+    """``shard`` re-sharded over the sequence part: rank ``g`` holds the real rows of ranks ``[g h, (g + 1) h)``.
+
+    Each rank's padding rows go to the tail of its union (the inner order of :func:`.hybrid.inner_order`).
+    """
+    pieces = tuple(
+        _merged(itertools.chain.from_iterable(shard.pieces[g * h : (g + 1) * h])) for g in range(shard.cp // h)
+    )
+    return ShardPlan(shard.runs, shard.cp // h, h * shard.local_len, shard.layout, pieces)

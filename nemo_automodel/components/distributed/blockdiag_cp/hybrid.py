@@ -9,7 +9,7 @@ The CP group of ``cp`` ranks factors into ``h`` x ``s`` (``CPOptions.head_parall
   replicated K/V heads, idle members when ``Hq < h``, exactly as under ``ulysses``);
 - a *sequence group* is the ``s`` ranks that hold the same head share (``j, h + j, ...``). Over those
   unions they run the needed-only (or all-gather) exchange and attention of any sequence-split row: the
-  row is re-sharded over ``s`` ranks of ``h L`` rows (:func:`sequence_plan`), and a sequence row state
+  row is re-sharded over ``s`` ranks of ``h L`` rows (:func:`.heads.sequence_plan`), and a sequence row state
   (:func:`sequence_row`) runs the existing path on it, kernel failures guarded the same way;
 - the reverse all-to-all returns every rank's rows of every head.
 
@@ -20,14 +20,12 @@ inside an attention call) and reused by every later row of the same CP ranks.
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 import torch.distributed as dist
 
 from nemo_automodel.components.distributed.blockdiag_cp.exchange import Route
-from nemo_automodel.components.distributed.blockdiag_cp.heads import HeadExchange, head_exchange
-from nemo_automodel.components.distributed.blockdiag_cp.layout import DocPiece, ShardPlan
+from nemo_automodel.components.distributed.blockdiag_cp.heads import HeadExchange, head_exchange, sequence_plan
+from nemo_automodel.components.distributed.blockdiag_cp.layout import ShardPlan
 from nemo_automodel.components.distributed.blockdiag_cp.metadata import build_window_plan
 from nemo_automodel.components.distributed.blockdiag_cp.options import SEQUENCE_PART
 from nemo_automodel.components.distributed.blockdiag_cp.state import HybridGroups, RowCache, RowState
@@ -89,28 +87,6 @@ def build_groups(group: dist.ProcessGroup, cp_rank: int, h: int, hosts: GroupHos
     head, sequence = _SUBGROUPS[ranks, h]
     sequence_hosts = hosts.subgroup(sequence_ranks) if hosts is not None else None
     return HybridGroups(h, cp // h, head, sequence, j, g, sequence_hosts)
-
-
-def _merged(pieces: itertools.chain[DocPiece]) -> tuple[DocPiece, ...]:
-    """``pieces`` in order, a piece that continues the previous one's document joined to it."""
-    out: list[DocPiece] = []
-    for piece in pieces:
-        if out and out[-1].doc == piece.doc and out[-1].stop == piece.start:
-            out[-1] = DocPiece(piece.doc, out[-1].start, piece.stop)
-        else:
-            out.append(piece)
-    return tuple(out)
-
-
-def sequence_plan(shard: ShardPlan, h: int) -> ShardPlan:
-    """``shard`` re-sharded over the sequence part: rank ``g`` holds the real rows of ranks ``[g h, (g + 1) h)``.
-
-    Each rank's padding rows go to the tail of its union (the inner order of :func:`inner_order`).
-    """
-    pieces = tuple(
-        _merged(itertools.chain.from_iterable(shard.pieces[g * h : (g + 1) * h])) for g in range(shard.cp // h)
-    )
-    return ShardPlan(shard.runs, shard.cp // h, h * shard.local_len, shard.layout, pieces)
 
 
 def inner_order(shard: ShardPlan, g: int, h: int) -> torch.Tensor | None:
