@@ -14,7 +14,8 @@ import itertools
 import pytest
 import torch
 
-from nemo_automodel.components.distributed.blockdiag_cp import CPOptions, heads, hybrid
+from nemo_automodel.components.distributed.blockdiag_cp import CPOptions, cost, heads, hybrid
+from nemo_automodel.components.distributed.blockdiag_cp.exchange import compute_kv_plan
 from nemo_automodel.components.distributed.blockdiag_cp.layout import doc_runs_from_ids, make_shard_plan
 from nemo_automodel.components.distributed.blockdiag_cp.topology import GroupHosts, RankHost
 from nemo_automodel.testing.cases import Case, layout
@@ -115,3 +116,35 @@ def test_a_kernel_failure_in_a_hybrid_step_raises_on_every_rank(pools, consensus
         assert [w for w, _ in raised] == [where]
         assert "forward failed on CP rank(s) [1] (CP rank 1: CP attention call 0)" in raised[0][1]
     pools.ensure_healthy(4)
+
+
+def test_auto_picks_the_hybrid_where_the_cost_model_says_so_and_it_matches_reference(pools):
+    """One document over 4 ranks, balanced: the cost model prefers 2 x 2 (``ulysses+halo``) to every single path."""
+    ids = layout("spans_many", 4)
+    shard = make_shard_plan(doc_runs_from_ids(ids, "ids").padded_to(ids.shape[1] + (-ids.shape[1]) % 8), 4, "balanced")
+    best, reason = cost.choose_auto(shard, compute_kv_plan(shard), cost.Shape(4, 2, 8, 8), cost.MACHINES["cpu"])
+    assert best.label == "ulysses+halo (2x2)", reason
+    cases = [Case(ids, "sdpa_varlen", "auto", hq, seed=40 + i, layout="balanced") for i, hq in enumerate(HEADS[:3])]
+    _check(pools, 4, cases)  # the kit checks the path taken (a hybrid) and what each part received
+
+
+def test_cost_model_bytes_per_part_and_inter_node_link():
+    """Per part bytes are the head split's and the sequence plan's; across nodes heads stay inside a node."""
+    runs = doc_runs_from_ids(torch.ones(1, 4096, dtype=torch.long), "ids")
+    shard = make_shard_plan(runs, 8, "balanced")
+    shape, machine = cost.Shape(32, 8, 128, 2), cost.MACHINES["cuda"]
+    hybrid_cost = cost.predict_hybrid("ulysses+a2a", 4, shard, shape, machine)
+    split = heads.split_heads(32, 8, 4)
+    for r in range(8):
+        want = split.forward_elements(r % 4, shard.local_len, 128, 128)[1] * 2
+        assert hybrid_cost.head_bytes[r] == want
+        assert hybrid_cost.recv_bytes[r] == want + hybrid_cost.sequence_bytes[r]
+    assert hybrid_cost.factorization == (4, 2) and all(b > 0 for b in hybrid_cost.sequence_bytes)
+    two_nodes = (0, 0, 0, 0, 1, 1, 1, 1)
+    kv = compute_kv_plan(shard)
+    best, reason = cost.choose_auto(shard, kv, shape, machine, nodes=two_nodes)
+    assert best.path != "allgather" and best.factorization == (4, 2), reason  # heads inside a node
+    across = cost.predict("allgather", shard, kv, shape, machine, nodes=two_nodes)
+    inside = cost.predict("allgather", shard, kv, shape, machine)
+    assert across.step_s > inside.step_s  # the inter-node link is slower
+    assert cost.default_degree(8, two_nodes) == 4 and cost.default_degree(6) == 3 and cost.default_degree(5) is None

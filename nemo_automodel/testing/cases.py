@@ -251,7 +251,7 @@ def _exchange_problems(
     paths = {s["path"] for s in stats}
     if paths == {"ulysses"} and case.kv_exchange in ("ulysses", "auto"):
         return _ulysses_problems(case, stats, positions, window, chunk, label)
-    if "+" in case.kv_exchange:
+    if "+" in case.kv_exchange or any("+" in p for p in paths):  # configured, or auto's pick
         return _hybrid_problems(case, stats, positions, window, chunk, label)
     requested = case.kv_exchange
     if requested == "auto":  # the cost model may pick any path that can deliver the keys; check that one
@@ -307,11 +307,13 @@ def _hybrid_problems(
     cp, local = len(positions), len(positions[0])
     h = max(d for d in range(2, cp) if cp % d == 0)
     unions = [[p for rows in positions[g * h : (g + 1) * h] for p in rows] for g in range(cp // h)]
-    sequence = expected_exchange(case.doc_ids, unions, case.kv_exchange.split("+")[1], window, chunk)[1]
+    paths = {s["path"] for s in stats}
+    path = case.kv_exchange if case.kv_exchange != "auto" else next(iter(paths))
+    sequence = expected_exchange(case.doc_ids, unions, path.split("+")[1], window, chunk)[1]
     want = [(h - 1) * local + sequence[r // h] if r % h < case.heads[0] else 0 for r in range(cp)]
     problems = []
-    if {s["path"] for s in stats} != {case.kv_exchange}:
-        problems.append(f"{label}: paths {[s['path'] for s in stats]}, expected {case.kv_exchange}")
+    if paths != {path}:
+        problems.append(f"{label}: paths {[s['path'] for s in stats]}, expected {path}")
     received = [s["kv_tokens_received"] for s in stats]
     if received != want:
         problems.append(f"{label}: hybrid received {received}, expected {want}")

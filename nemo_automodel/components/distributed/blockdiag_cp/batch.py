@@ -20,7 +20,6 @@ from nemo_automodel.components.distributed.blockdiag_cp.layout import (
     make_shard_plan,
 )
 from nemo_automodel.components.distributed.blockdiag_cp.metadata import build_window_plan
-from nemo_automodel.components.distributed.blockdiag_cp.options import SEQUENCE_PART
 from nemo_automodel.components.distributed.blockdiag_cp.state import RowState
 
 # Sequence-aligned batch fields that are padded and sharded (``position_ids``
@@ -341,9 +340,9 @@ def _build_row_state(
     cu_cpu = torch.tensor(plan.physical_cu_seqlens(), dtype=torch.int32)
     hosts = topology.group_hosts(group) if plan.cp > 1 else None
     groups = None
-    if options.kv_exchange in SEQUENCE_PART and plan.cp > 1:  # the hybrid's sub-groups: created here, never per call
-        h = hybrid.factor(options.kv_exchange, plan.cp, options.head_parallel, hosts)
-        groups = hybrid.build_groups(group, rank, h, hosts)
+    # the hybrid's sub-groups (also auto's candidate factorization): created here, never inside an attention call
+    h = hybrid.degree(options, plan.cp, hosts) if plan.cp > 1 else None
+    groups = hybrid.build_groups(group, rank, h, hosts) if h is not None else None
     return RowState(
         group=group,
         cp_rank=rank,

@@ -322,6 +322,16 @@ def hybrid_degrees(cp: int) -> tuple[int, ...]:
     return tuple(h for h in range(2, cp) if cp % h == 0)
 
 
+def default_degree(cp: int, nodes: Nodes = None) -> int | None:
+    """The hybrid's default ``h`` (``head_parallel=None``): the ranks of one node when the CP group spans nodes
+    (every node holding as many), else the largest proper divisor of ``cp``; ``None`` when there is none."""
+    if spans_nodes(nodes):
+        per_node = {nodes.count(node) for node in set(nodes)}
+        h = per_node.pop() if len(per_node) == 1 else None
+        return h if h is not None and 1 < h < cp and cp % h == 0 else None
+    return next((h for h in range(cp - 1, 1, -1) if cp % h == 0), None)
+
+
 def candidate_paths(kv: KVPlan) -> tuple[str, ...]:
     """Paths that can run the row (``halo`` only when every rank needs its left neighbour alone)."""
     return PATHS if kv.use_halo else ("allgather", "a2a", "ulysses")
@@ -357,6 +367,31 @@ def choose(
     others = ", ".join(f"{c.label} {c.step_s * 1e3:.3g} ms" for c in costs if c is not best)
     reason = f"kv_exchange=auto: {best.label} predicted {best.step_s * 1e3:.3g} ms per layer step ({others})"
     return best.path, reason, costs
+
+
+def choose_auto(
+    shard: ShardPlan,
+    kv: KVPlan,
+    shape: Shape,
+    machine: Machine,
+    overlap: bool = True,
+    window: int | None = None,
+    nodes: Nodes = None,
+    allow_cross_node: bool = False,
+) -> tuple[PathCost, str]:
+    """``kv_exchange=auto``'s pick, the runtime's and the planner's: ``(best, reason)``.
+
+    Candidates: the single paths (on a group that spans nodes ``allgather`` and ``ulysses`` only, unless
+    ``allow_cross_node``: needed-only messages between nodes are opt-in) and the hybrids of the default
+    factorization (:func:`default_degree`: heads inside a node x sequence between nodes).
+    """
+    singles = candidate_paths(kv)
+    if spans_nodes(nodes) and not allow_cross_node:
+        singles = ("allgather", "ulysses")
+    h = default_degree(shard.cp, nodes)
+    _, reason, costs = choose(shard, kv, shape, machine, overlap, window, nodes, (h,) if h else (), singles)
+    best = min(costs, key=lambda c: (round(c.step_s, 12), _PREFERENCE[c.path]))
+    return best, reason
 
 
 def choose_layout(runs: DocRuns, cp: int, shape: Shape, machine: Machine, overlap: bool = True) -> ShardPlan:

@@ -23,22 +23,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from nemo_automodel.components.distributed.blockdiag_cp import cost
 from nemo_automodel.components.distributed.blockdiag_cp.exchange import Route
 from nemo_automodel.components.distributed.blockdiag_cp.heads import HeadExchange, head_exchange, sequence_plan
 from nemo_automodel.components.distributed.blockdiag_cp.layout import ShardPlan
 from nemo_automodel.components.distributed.blockdiag_cp.metadata import build_window_plan
-from nemo_automodel.components.distributed.blockdiag_cp.options import SEQUENCE_PART
+from nemo_automodel.components.distributed.blockdiag_cp.options import SEQUENCE_PART, CPOptions
 from nemo_automodel.components.distributed.blockdiag_cp.state import HybridGroups, RowCache, RowState
 from nemo_automodel.components.distributed.blockdiag_cp.topology import GroupHosts
 from nemo_automodel.components.distributed.blockdiag_cp.variant import PlanKey
-
-
-def _default_degree(cp: int, hosts: GroupHosts | None) -> int | None:
-    """``head_parallel=None``: the ranks of one node when the group spans nodes, else the largest proper divisor."""
-    if hosts is not None and hosts.spans_nodes:
-        per_node = {len(ranks) for ranks in hosts.ranks_by_host().values()}
-        return per_node.pop() if len(per_node) == 1 else None
-    return next((h for h in range(cp - 1, 1, -1) if cp % h == 0), None)
 
 
 def factor(kv_exchange: str, cp: int, head_parallel: int | None, hosts: GroupHosts | None) -> int:
@@ -47,7 +40,7 @@ def factor(kv_exchange: str, cp: int, head_parallel: int | None, hosts: GroupHos
     Raises:
         ValueError: naming ``head_parallel`` and the fix when ``h`` does not divide ``cp`` into ``1 < h < cp``.
     """
-    h = head_parallel if head_parallel is not None else _default_degree(cp, hosts)
+    h = head_parallel if head_parallel is not None else cost.default_degree(cp, hosts.nodes if hosts else None)
     if h is None or cp % h or not 1 < h < cp:
         given = f"head_parallel={head_parallel}" if head_parallel is not None else "head_parallel=None (default)"
         divisors = [d for d in range(2, cp) if cp % d == 0]
@@ -62,6 +55,15 @@ def factor(kv_exchange: str, cp: int, head_parallel: int | None, hosts: GroupHos
             f"cp_size={cp}: {fix}"
         )
     return h
+
+
+def degree(options: CPOptions, cp: int, hosts: GroupHosts | None) -> int | None:
+    """The row's head-parallel degree: a hybrid's (checked), ``auto``'s candidate (``None``: none), else ``None``."""
+    if options.kv_exchange in SEQUENCE_PART:
+        return factor(options.kv_exchange, cp, options.head_parallel, hosts)
+    if options.kv_exchange == "auto":
+        return cost.default_degree(cp, hosts.nodes if hosts else None)
+    return None
 
 
 # Sub-groups per (CP group's global ranks, h): created once, by their members only, reused by every row.
@@ -101,13 +103,13 @@ def inner_order(shard: ShardPlan, g: int, h: int) -> torch.Tensor | None:
     return None if order == list(range(h * local_len)) else torch.tensor(order)
 
 
-def sequence_row(state: RowState) -> RowState:
-    """The sequence part's row state: ``s`` ranks of ``h L`` rows over the sequence group (built once per row).
+def sequence_row(state: RowState, path: str) -> RowState:
+    """The sequence part of hybrid ``path``: ``s`` ranks of ``h L`` rows over the sequence group (once per row).
 
     It shares the row's options (with the sequence part's exchange), failures and stats; it is never agreed
     on by itself (the row's agreement covers it: every input is replicated).
     """
-    if state.cache.hybrid is None:
+    if path not in state.cache.hybrid:
         groups = state.hybrid
         plan = sequence_plan(state.shard_plan, groups.heads)
         rank, local_len = groups.sequence_rank, plan.local_len
@@ -116,12 +118,12 @@ def sequence_row(state: RowState) -> RowState:
         # The needed-only part was asked for explicitly: it stays needed-only also between nodes. Its calls
         # settle failures with the whole CP group's (consensus="call" runs at the row's level, never per part).
         options = state.options.replace(
-            kv_exchange=SEQUENCE_PART[state.options.kv_exchange],
+            kv_exchange=SEQUENCE_PART[path],
             head_parallel=None,
             allow_cross_node=True,
             consensus="step",
         )
-        state.cache.hybrid = RowState(
+        state.cache.hybrid[path] = RowState(
             group=groups.sequence_group,
             cp_rank=rank,
             cp_size=plan.cp,
@@ -138,7 +140,7 @@ def sequence_row(state: RowState) -> RowState:
             stats=state.stats,
             failures=state.failures,
         )
-    return state.cache.hybrid
+    return state.cache.hybrid[path]
 
 
 def head_plan(state: RowState, heads: int, kv_heads: int) -> HeadExchange:
@@ -153,6 +155,7 @@ def head_plan(state: RowState, heads: int, kv_heads: int) -> HeadExchange:
 
 def record_stats(
     state: RowState,
+    path: str,
     plan: HeadExchange,
     route: Route | None,
     key: PlanKey,
@@ -174,7 +177,7 @@ def record_stats(
     row_bytes = n_kv * (head_dim + value_dim) * elem_bytes
     stats.kv_tokens_received = head_rows + sequence_rows
     stats.kv_bytes_received = stats.kv_tokens_received * row_bytes
-    stats.windows[key] = (state.options.kv_exchange, stats.kv_tokens_received, stats.windows[key][2])
+    stats.windows[key] = (path, stats.kv_tokens_received, stats.windows[key][2])
     stats.hybrid = {
         "heads": groups.heads,
         "sequence": groups.sequence,

@@ -181,12 +181,13 @@ def _exchange_path(state: RowState, device: torch.device, key: PlanKey) -> tuple
         groups = state.hybrid
         reason = f"kv_exchange={kv_exchange} (configured): heads {groups.heads} x sequence {groups.sequence}"
         return kv_exchange, None, reason
+    if kv_exchange == "auto":  # the cost model knows the topology (needed-only between nodes only if allowed)
+        kv_plan = _kv_plan(state, key, device)
+        path, reason = _auto_choice(state, kv_plan, device, key)
+        return path, kv_plan if path in ("halo", "a2a") else None, reason
     if _cp_group_spans_nodes(state.hosts, state.options.allow_cross_node):
         return "allgather", None, "CP group spans nodes (set NEMO_CP_ALLOW_XNODE=1 to force needed-only)"
     kv_plan = _kv_plan(state, key, device)
-    if kv_exchange == "auto":
-        path, reason = _auto_choice(state, kv_plan, device, key)
-        return path, kv_plan if path in ("halo", "a2a") else None, reason
     if kv_exchange == "a2a":
         return "a2a", kv_plan, "kv_exchange=a2a (configured)"
     if kv_plan.use_halo:
@@ -200,7 +201,13 @@ def _auto_choice(state: RowState, plan: KVPlan, device: torch.device, key: PlanK
     if memo.auto_choice is None:
         shape = state.cache.shape or cost.Shape()
         machine = cost.machine_for(device)
-        path, reason, _ = cost.choose(memo.shard_plan, plan, shape, machine, state.options.overlap, memo.window)
+        nodes = state.hosts.nodes if state.hosts is not None else None
+        options = state.options
+        best, reason = cost.choose_auto(
+            memo.shard_plan, plan, shape, machine, options.overlap, memo.window, nodes, options.allow_cross_node
+        )
+        path = best.path
+        # the hybrid candidates are those of the row's sub-groups (the same default factorization, batch.py)
         memo.auto_choice = (path, reason)
         # each path's first pick at INFO; mixed rows flip the pick per step, which would flood the log
         if not log_once(
@@ -519,7 +526,7 @@ def attend_row(
     if route.path == "ulysses":
         out = ulysses.attend(state, kernel_call, query, key, value, after_backward)
     elif route.path in SEQUENCE_PART:
-        out = _attend_hybrid(state, kernel_call, query, key, value, after_backward)
+        out = _attend_hybrid(state, route.path, kernel_call, query, key, value, after_backward)
     else:
         out = _attend(state, window_plan, route, kernel_call, query, key, value)
     if state.options.consensus == "call":
@@ -529,6 +536,7 @@ def attend_row(
 
 def _attend_hybrid(
     state: RowState,
+    path: str,
     call: KernelCall,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -539,6 +547,7 @@ def _attend_hybrid(
 
     Args:
         state: The row's state (its hybrid sub-groups were created when it was built).
+        path: ``ulysses+halo``, ``ulysses+a2a`` or ``ulysses+allgather`` (configured, or ``auto``'s pick).
         call: The kernel call (sinks ``[Hq]``: the sequence part runs with this rank's heads' slice).
         query: Local queries ``[1, Hq, L, D]``; ``key`` ``[1, Hkv, L, D]``, ``value`` ``[1, Hkv, L, Dv]``.
         after_backward: Runs once the head group's reverse q/k/v all-to-all (the call's last backward node) completed.
@@ -546,7 +555,7 @@ def _attend_hybrid(
     Returns:
         ``[1, Hq, L, Dv]`` in local row order; padding rows are zero.
     """
-    groups, sequence = state.hybrid, hybrid.sequence_row(state)
+    groups, sequence = state.hybrid, hybrid.sequence_row(state, path)
     plan = hybrid.head_plan(state, query.shape[1], key.shape[1])
     start, stop = plan.split.query[groups.head_rank]
     variant = call.variant
@@ -563,7 +572,8 @@ def _attend_hybrid(
 
     group, rank, stats = groups.head_group, groups.head_rank, state.stats
     out = ulysses.exchange_heads(group, rank, plan, state.local_len, query, key, value, inner, stats, after_backward)
-    hybrid.record_stats(state, plan, route, variant.plan_key, query.shape[3], value.shape[3], query.element_size())
+    dims = (query.shape[3], value.shape[3], query.element_size())
+    hybrid.record_stats(state, path, plan, route, variant.plan_key, *dims)
     return out
 
 

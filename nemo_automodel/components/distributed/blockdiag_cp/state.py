@@ -98,7 +98,7 @@ class RowCache:
         finite: Per CP call, a device bool ``[3]``: are q, k, v all finite (no host sync).
         preflight: Answers of the seed's ``compat._needed_only_preflight`` (its collective runs once per key).
         ulysses: Per (window or chunk, Hq, Hkv), the head-parallel plan of ``kv_exchange="ulysses"``.
-        hybrid: The sequence part's row state of a ``ulysses+*`` hybrid (built at its first call).
+        hybrid: Per hybrid path, its sequence part's row state (built at its first call).
         hybrid_heads: Per (Hq, Hkv), the hybrid's head-group all-to-all plan.
         posted: Exchange ops posted but not yet waited, by ``id``, kept alive until the row ends. Non-reentrant
             checkpointing stops a recompute once its saved tensors are back, which can be before the op's wait
@@ -112,7 +112,7 @@ class RowCache:
     finite: list[torch.Tensor] = field(default_factory=list)
     preflight: dict[tuple[str, str, str, int, int], tuple[bool, str | None]] = field(default_factory=dict)
     ulysses: dict[tuple[PlanKey, int, int], RowPlan] = field(default_factory=dict)
-    hybrid: RowState | None = None
+    hybrid: dict[str, RowState] = field(default_factory=dict)
     hybrid_heads: dict[tuple[int, int], HeadExchange] = field(default_factory=dict)
     posted: dict[int, ExchangeOp] = field(default_factory=dict)
 
