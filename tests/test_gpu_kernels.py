@@ -698,7 +698,7 @@ VARIANTS = {
 # What each kernel computes with the stand-ins' libraries (flash-attn 2.8.3, FA3 main, TE 2.20, torch 2.13).
 COMPUTES = {
     "flash": {"window", "softcap", "sinks"},
-    "fa3": {"window", "softcap"},
+    "fa3": {"window", "softcap", "sinks"},
     "te": {"window"},
     "torch_varlen": {"window"},
 }
@@ -886,6 +886,183 @@ def test_flash_computes_sinks_exactly_through_its_private_pair(release, window, 
         got = kernels.blockdiag_attention("flash", q, k, v, meta, 0.4, 0.0, variant)
     want = kernels.blockdiag_attention("dense", q, k, v, meta, 0.4, 0.0, variant)
     _assert_same(got, want, (q, k, v, sinks))
+
+
+# ----------------------------------------------------------------------------- sinks on FA3's private pair
+
+# hopper/flash_attn_interface.py, parameter for parameter with defaults, at each stand-in era's commit
+# (7b4e68e0, 7a802796, 909eb7ce = v2.8.3, 0251105a): 2024-08's pair is fixed-length only (not read: refused).
+FA3_LSE = {
+    "2024-08": (
+        "q, k, v, softmax_scale, causal, window_size, descale_q=None, descale_k=None, descale_v=None",
+        "dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window_size, deterministic=False",
+    ),
+    "2025-01": (
+        "q, k, v, k_new, v_new, out, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new, seqused_q, seqused_k, "
+        "max_seqlen_q, max_seqlen_k, page_table, kv_batch_idx, leftpad_k, rotary_cos, rotary_sin, q_descale, "
+        "k_descale, v_descale, softmax_scale, causal, window_size=(-1, -1), sink_token_length=0, softcap=0.0, "
+        "rotary_interleaved=True, num_splits=1, pack_gqa=None, sm_margin=0",
+        "dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, sequed_q, sequed_k, max_seqlen_q, "
+        "max_seqlen_k, dq, dk, dv, softmax_scale, causal, window_size=(-1, -1), sink_token_length=0, softcap=0.0, "
+        "deterministic=False, sm_margin=0",
+    ),
+    "2025-04": (
+        "q, k, v, k_new, v_new, qv, out, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new, seqused_q, seqused_k, "
+        "max_seqlen_q, max_seqlen_k, page_table, kv_batch_idx, leftpad_k, rotary_cos, rotary_sin, seqlens_rotary, "
+        "q_descale, k_descale, v_descale, softmax_scale, causal, window_size=(-1, -1), attention_chunk=0, "
+        "softcap=0.0, rotary_interleaved=True, scheduler_metadata=None, num_splits=1, pack_gqa=None, sm_margin=0",
+        "dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, sequed_q, sequed_k, max_seqlen_q, "
+        "max_seqlen_k, dq, dk, dv, softmax_scale, causal, window_size=(-1, -1), softcap=0.0, deterministic=False, "
+        "sm_margin=0",
+    ),
+    "main": (
+        "q, k, v, k_new=None, v_new=None, qv=None, out_=None, cu_seqlens_q=None, cu_seqlens_k=None, "
+        "cu_seqlens_k_new=None, seqused_q=None, seqused_k=None, max_seqlen_q=None, max_seqlen_k=None, "
+        "page_table=None, kv_batch_idx=None, leftpad_k=None, rotary_cos=None, rotary_sin=None, seqlens_rotary=None, "
+        "q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, causal=False, window_size_left=-1, "
+        "window_size_right=-1, attention_chunk=0, softcap=0.0, rotary_interleaved=True, scheduler_metadata=None, "
+        "num_splits=1, pack_gqa=None, sm_margin=0",
+        "dout, q, k, v, out, softmax_lse, cu_seqlens_q=None, cu_seqlens_k=None, sequed_q=None, sequed_k=None, "
+        "max_seqlen_q=None, max_seqlen_k=None, dq=None, dk=None, dv=None, softmax_scale=None, is_causal=False, "
+        "window_size_left=-1, window_size_right=-1, softcap=0.0, deterministic=False, sm_margin=0",
+    ),
+}
+FA3_LSE["2.8.3"] = FA3_LSE["2025-04"]
+FA3_SINK_ERAS = ("2025-01", "2025-04", "2.8.3", "main")  # a pair read; 2025-01's public functions are refused
+
+
+def _unannotated(fn) -> str:
+    fn = getattr(fn, "_init_fn", fn)  # a custom op (main) keeps the decorated function
+    parameters = [p.replace(annotation=inspect.Parameter.empty) for p in inspect.signature(fn).parameters.values()]
+    return str(inspect.Signature(parameters))[1:-1]
+
+
+@pytest.mark.parametrize("era", sorted(FA3_LSE))
+def test_fa3_private_pair_stand_ins_have_the_real_signatures(era):
+    from tests.fakes.machine import Machine
+
+    with fake_kernels(machine=Machine(fa3=era)):
+        module = importlib.import_module("flash_attn_interface")
+        got = (_unannotated(module._flash_attn_forward), _unannotated(module._flash_attn_backward))
+        assert got == FA3_LSE[era]
+        facts = _libraries().fa3
+        assert (facts.lse is not None) == (era in FA3_SINK_ERAS), facts.lse_problem
+        if facts.lse is not None:
+            assert facts.lse.forward_call.split_window == facts.lse.backward_call.split_window == (era == "main")
+            assert facts.lse.backward_call.causal == ("is_causal" if era == "main" else "causal")
+
+
+@pytest.mark.parametrize("era", FA3_SINK_ERAS[1:])
+@pytest.mark.parametrize(("window", "softcap"), SINK_CASES)
+@pytest.mark.parametrize("heads", [(4, 2), (2, 2)])
+def test_fa3_computes_sinks_exactly_through_its_private_pair(era, window, softcap, heads):
+    """Sinks on fa3: forward, dq/dk/dv and the sinks' gradient equal the explicit-score ``dense`` kernel, with
+    straddling segments (fixed-length calls, ``lse [B, Hq, Sq]``) first and inside, on every era's pair."""
+    from tests.fakes.machine import Machine
+
+    q_lens, k_lens = (5, 4, 3, 6), (9, 4, 7, 6)
+    meta = kernels.build_varlen_meta(q_lens, k_lens, sum(q_lens) + 2, "cpu", window=window)
+    gen = torch.Generator().manual_seed(5)
+    shapes = ((heads[0], meta.local_len), (heads[1], meta.kv_len), (heads[1], meta.kv_len))
+    q, k, v = (torch.randn(1, h, n, 8, generator=gen, dtype=torch.float64, requires_grad=True) for h, n in shapes)
+    sinks = torch.linspace(-1.0, 1.5, heads[0], dtype=torch.float64, requires_grad=True)
+    variant = AttentionVariant(window=window, softcap=softcap, sinks=sinks, source="test layer")
+    with fake_kernels(machine=Machine(fa3=era)):
+        import fake_varlen_core
+
+        assert kernels.kernel_unavailable_reason("fa3", torch.float64, torch.device("cpu"), variant=variant) is None
+        fake_varlen_core.CALLS.clear()
+        got = kernels.blockdiag_attention("fa3", q, k, v, meta, 0.4, 0.0, variant)
+        torch.autograd.grad(got.sum(), q, retain_graph=True)  # the stand-in records its backward
+        calls = {c["fn"] for c in fake_varlen_core.CALLS}
+    want = kernels.blockdiag_attention("dense", q, k, v, meta, 0.4, 0.0, variant)
+    _assert_same(got, want, (q, k, v, sinks))
+    assert {"fa3._flash_attn_forward", "fa3._flash_attn_backward"} <= calls
+
+
+def _pair_module(forward, backward):
+    import types
+
+    module = types.ModuleType("flash_attn_interface")
+    module._flash_attn_forward, module._flash_attn_backward = forward, backward
+    return module
+
+
+def _main_pair():
+    from tests.fakes.machine import Machine
+
+    with fake_kernels(machine=Machine(fa3="main")):
+        module = importlib.import_module("flash_attn_interface")
+        return module._flash_attn_forward._init_fn, module._flash_attn_backward._init_fn
+
+
+def _with_parameters(fn, change):
+    """``fn`` with its signature edited by ``change(list of parameters)`` (what the probe reads)."""
+
+    def edited(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    parameters = list(inspect.signature(fn).parameters.values())
+    edited.__signature__ = inspect.Signature(change(parameters))
+    return edited
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        # a parameter no revision read has (hopper/ has no sink input; a future one would mean a new contract)
+        (lambda ps: [*ps, inspect.Parameter("learnable_sink", inspect.Parameter.KEYWORD_ONLY, default=None)],
+         "_flash_attn_forward takes learnable_sink"),
+        (lambda ps: [p for p in ps if p.name != "softcap"], "_flash_attn_forward lacks softcap"),
+        (lambda ps: [p for p in ps if not p.name.startswith("window_size")],
+         "_flash_attn_forward lacks window_size"),
+        (lambda ps: [p.replace(kind=p.KEYWORD_ONLY, default=p.empty if p.name == "num_splits" else p.default)
+                     for p in ps],
+         "_flash_attn_forward requires num_splits"),
+    ],
+)  # fmt: skip
+def test_fa3_sinks_refuse_a_private_pair_whose_signature_was_not_read(change, named):
+    """Every parameter of FA3's private pair is one a read revision has; anything else refuses sinks by name."""
+    forward, backward = _main_pair()
+    lse, problem = gpu_libraries._probe_fa3_lse(_pair_module(_with_parameters(forward, change), backward))
+    assert lse is None and named in problem and "not one this kernel has read" in problem
+    facts = gpu_libraries.Fa3Facts(None, frozenset({"window_size", "softcap"}), lse=lse, lse_problem=problem)
+    gaps = gpu_libraries.fa3_gaps(facts)
+    assert set(gaps) == {"sinks"} and named in gaps["sinks"]
+    assert gpu_libraries._probe_fa3_lse(_pair_module(forward, backward))[0] is not None  # unedited: read
+
+
+def test_fa3_sinks_refuse_the_2024_pair_by_name():
+    """2024-08's private pair is fixed-length only (a separate varlen pair): not read, so sinks are refused."""
+    from tests.fakes.machine import Machine
+
+    variant = AttentionVariant(sinks=torch.zeros(4), source="GptOssForCausalLM layer 1")
+    with fake_kernels(machine=Machine(fa3="2024-08")):
+        reason = kernels.kernel_unavailable_reason("fa3", torch.bfloat16, torch.device("cuda"), variant=variant)
+    assert reason is not None and reason.startswith(
+        "s_aux (attention sinks) (GptOssForCausalLM layer 1) is not supported by attn_backend=fa3: attention sinks "
+        "need FlashAttention-3's private forward/backward pair: this FlashAttention-3 build's private pair is not "
+        "one this kernel has read (its _flash_attn_forward lacks cu_seqlens_q"
+    )
+
+
+@pytest.mark.parametrize(
+    "returned",
+    [lambda result: result[0], lambda result: (result[0], result[1].t())],  # no lse; an lse [n, Hq]
+)
+def test_fa3_sinks_refuse_a_forward_that_returns_no_lse(returned):
+    """A build whose private forward returns something else than ``(out, softmax_lse [Hq, n], ...)`` raises."""
+    forward, backward = _main_pair()
+
+    def other(**arguments):
+        return returned(forward(**arguments))
+
+    other.__signature__ = inspect.signature(forward)
+    lse, _ = gpu_libraries._probe_fa3_lse(_pair_module(other, backward))
+    q = torch.randn(6, 2, 8, dtype=torch.float64)
+    seqlens = (torch.tensor([0, 6], dtype=torch.int32), torch.tensor([0, 6], dtype=torch.int32), 6, 6)
+    with fake_kernels(), pytest.raises(RuntimeError, match=r"did not return \(out, softmax_lse"):
+        lse.forward(q, q, q, seqlens, 0.3, (-1, 0), 0.0)
 
 
 def test_flash_refuses_sinks_with_dropout_or_an_unpadded_head_dim():

@@ -118,7 +118,7 @@ def test_attention_variants_match_reference(pools, cp):
 @pytest.mark.parametrize("backend", GPU_KERNELS)
 def test_gpu_kernels_compute_windows_and_softcaps_under_cp(pools, cp, backend):
     """Windowed (mixed with full) calls on every GPU kernel's stand-in; soft-caps where the library has them, and
-    sinks on flash (its private forward/backward pair) in every other case."""
+    sinks on flash and fa3 (their private forward/backward pairs) in every other case."""
     softcap = 1.5 if backend in ("flash", "fa3") else None
     combos = itertools.product(("straddle", "spans_many", "pad_tail"), ("halo", "a2a"), ("contiguous", "balanced"))
     cases = [
@@ -131,7 +131,7 @@ def test_gpu_kernels_compute_windows_and_softcaps_under_cp(pools, cp, backend):
             layout=lay,
             windows=(None, 5),
             softcap=softcap,
-            sinks=backend == "flash" and i % 2 == 0,
+            sinks=backend in ("flash", "fa3") and i % 2 == 0,
         )
         for i, (name, ex, lay) in enumerate(combos)
     ]

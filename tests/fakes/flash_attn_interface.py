@@ -13,18 +13,24 @@ and the checks of that era's hopper/flash_api.cpp:
   ``SOFTCAP``, ``BACKWARD``, ``VARLEN``, ``FP16`` raise; ``HDIM<n>`` removes a head-dim bucket;
   ``HDIMDIFF64``/``HDIMDIFF192`` leave Dv != D to a kernel of the wrong width (NaN here);
 - returns ``(out, softmax_lse)`` before 2025-07-11, ``out`` after, the pair again with
-  ``return_attn_probs=True`` (main).
+  ``return_attn_probs=True`` (main);
+- the private ``_flash_attn_forward``/``_flash_attn_backward`` of each era (below the public functions), which
+  sinks use: the forward returns ``softmax_lse``, the backward takes ``out``/``softmax_lse`` and writes
+  ``dq``/``dk``/``dv``.
 
 Semantics: ``fake_varlen_core``.
 """
 
 from __future__ import annotations
 
+import uuid
+
 import machine
 import torch
 from fake_varlen_core import (
     Segment,
     attend,
+    backward_from_lse,
     check_dtypes,
     check_heads,
     grads_never_written,
@@ -354,3 +360,240 @@ _FUNCTIONS = {
     "main": (_varlen_main, _fixed_main),
 }
 flash_attn_varlen_func, flash_attn_func = _FUNCTIONS[ERA]
+
+
+# ============================================================================= the private pair
+# ``_flash_attn_forward``/``_flash_attn_backward`` of each era, parameter for parameter with the real defaults:
+# 2024-08 7b4e68e0 (fixed-length only, a separate varlen pair), 2025-01 7a802796, 2025-04 909eb7ce (the same in
+# v2.8.3), main 0251105a (``torch.library.custom_op``s since c7697bbf, defaults since 5e114d53, ``out_`` since
+# 3fcde4b3). hopper/flash_api.cpp: ``softmax_lse`` is fp32 ``[B, Hq, Sq]`` (fixed) or ``[Hq, total_q]`` (varlen);
+# the backward reads it through its raw pointer in that layout, checks ``out``/``dout``/``dq`` dtypes against
+# q's and writes the ``dq``/``dk``/``dv`` it is given. float64 inputs (CPU tests only) keep a float64 lse.
+
+
+def _private_scale(softmax_scale, head_dim):
+    if softmax_scale is None:
+        if not _since("main"):  # the C++ takes `float softmax_scale` until the custom ops' std::optional<double>
+            raise TypeError("fwd(): incompatible function arguments: softmax_scale must be a float")
+        return head_dim**-0.5
+    return softmax_scale
+
+
+def _private_segments(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> list[Segment]:
+    if cu_seqlens_q is None:
+        b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+        return [(i * sq, (i + 1) * sq, i * sk, (i + 1) * sk) for i in range(b)]
+    return varlen_segments(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+
+
+def _tokens(*tensors):
+    """Fixed-length ``[B, S, H, D]`` tensors as token-major ``[B * S, H, D]`` (varlen ones are already)."""
+    return [t.flatten(0, 1) if t.dim() == 4 else t for t in tensors]
+
+
+def _private_forward(q, k, v, seqlens, softmax_scale, causal, window_size, softcap, unsupported):
+    """``(out, softmax_lse, out_accum, softmax_lse_accum)`` as hopper/flash_api.cpp ``mha_fwd`` returns them."""
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+    _check_call(q, k, v, head_dim, head_dim_v, 0.0, window_size, softcap, varlen=seqlens[0] is not None)
+    segments = _private_segments(q, k, *seqlens)
+    scale = _private_scale(softmax_scale, head_dim)
+    options = _options(scale, causal, window_size, softcap, head_dim, unsupported)
+    record("fa3._flash_attn_forward", segments, causal=causal, **options)
+    with torch.no_grad():
+        out, lse = attend(*_tokens(q, k, v), segments, **options)
+    if head_dim_v != head_dim and ("HDIMDIFF64" if head_dim <= 64 else "HDIMDIFF192") in _DISABLED:
+        out = out * float("nan")  # a kernel of the wrong width
+    if q.dim() == 4:
+        out, lse = out.unflatten(0, q.shape[:2]), lse.unflatten(1, q.shape[:2]).transpose(0, 1).contiguous()
+    return out, lse, torch.empty(0), torch.empty(0)
+
+
+def _private_backward(tensors, seqlens, softmax_scale, causal, window_size, softcap, unsupported):
+    """Write ``dq``/``dk``/``dv`` from the ``out`` and ``softmax_lse`` given; returns ``softmax_d``."""
+    dout, q, k, v, out, softmax_lse, dq, dk, dv = tensors
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+    _check_call(q, k, v, head_dim, head_dim_v, 0.0, window_size, softcap, varlen=seqlens[0] is not None)
+    if "BACKWARD" in _DISABLED:
+        raise RuntimeError("This flash attention build does not support backward.")
+    if head_dim_v != head_dim and not _since("2.8.3"):
+        raise RuntimeError(f"v must have shape (..., {head_dim})")  # the Dv != D backward came on 2025-04-24
+    for name, tensor in (("out", out), ("dout", dout)):
+        if tensor.dtype != q.dtype:
+            raise RuntimeError(f"query and {name} must have the same dtype")
+        if tensor.shape[:-1] != q.shape[:-1] or tensor.shape[-1] != head_dim_v:
+            raise RuntimeError(f"{name} must have shape {(*q.shape[:-1], head_dim_v)}")
+    for name, given, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        if given is None:
+            raise NotImplementedError("the stand-in needs dq/dk/dv given (the real one allocates them)")
+        if given.dtype != q.dtype or given.shape != like.shape:
+            raise RuntimeError(f"{name} must have the same dtype and shape as {name[1]}")
+    segments = _private_segments(q, k, *seqlens)
+    scale = _private_scale(softmax_scale, head_dim)
+    options = _options(scale, causal, window_size, softcap, head_dim, unsupported)
+    record("fa3._flash_attn_backward", segments, causal=causal, **options)
+    # the kernel reads softmax_lse through its data pointer as a contiguous [B, Hq, Sq] / [Hq, total_q]
+    raw = softmax_lse.as_strided(softmax_lse.shape, torch.empty(softmax_lse.shape).stride())
+    lse = raw.transpose(0, 1).flatten(1, 2) if q.dim() == 4 else raw
+    flat = _tokens(dout, q, k, v, out)
+    grads = backward_from_lse(*flat[:5], lse, segments, **options)
+    for target, grad in zip(_tokens(dq, dk, dv), grads):
+        target.copy_(grad)
+    return (dout.float() * out.float()).sum(-1)
+
+
+# ----------------------------------------------------------------------------- 2024-08 (7b4e68e0)
+
+
+def _forward_2024_08(q, k, v, softmax_scale, causal, window_size, descale_q=None, descale_k=None, descale_v=None):
+    raise NotImplementedError("the stand-in does not run the 2024-08 private pair (the kernel refuses it)")
+
+
+def _backward_2024_08(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window_size,
+                      deterministic=False):  # fmt: skip
+    raise NotImplementedError("the stand-in does not run the 2024-08 private pair (the kernel refuses it)")
+
+
+# ----------------------------------------------------------------------------- 2025-01 (7a802796)
+
+
+def _forward_2025_01(
+    q, k, v, k_new, v_new, out, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new, seqused_q, seqused_k, max_seqlen_q,
+    max_seqlen_k, page_table, kv_batch_idx, leftpad_k, rotary_cos, rotary_sin, q_descale, k_descale, v_descale,
+    softmax_scale, causal, window_size=(-1, -1), sink_token_length=0, softcap=0.0, rotary_interleaved=True,
+    num_splits=1, pack_gqa=None, sm_margin=0,
+):  # fmt: skip
+    assert sink_token_length == 0, "sink_token_length not supported yet"
+    unsupported = (k_new, out, seqused_q, seqused_k, page_table, kv_batch_idx, leftpad_k, rotary_cos, q_descale)
+    seqlens = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    unused = [t is not None for t in unsupported]
+    return _private_forward(q, k, v, seqlens, softmax_scale, causal, window_size, softcap, unused)
+
+
+def _backward_2025_01(
+    dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, sequed_q, sequed_k, max_seqlen_q, max_seqlen_k,
+    dq, dk, dv, softmax_scale, causal, window_size=(-1, -1), sink_token_length=0, softcap=0.0, deterministic=False,
+    sm_margin=0,
+):  # fmt: skip
+    assert sink_token_length == 0, "sink_token_length not supported yet"
+    tensors = (dout, q, k, v, out, softmax_lse, dq, dk, dv)
+    seqlens = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    unused = (sequed_q is not None, sequed_k is not None)
+    softmax_d = _private_backward(tensors, seqlens, softmax_scale, causal, window_size, softcap, unused)
+    return dq, dk, dv, softmax_d
+
+
+# ----------------------------------------------------------------------------- 2025-04 (909eb7ce) and 2.8.3
+
+
+def _forward_2025_04(
+    q, k, v, k_new, v_new, qv, out, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new, seqused_q, seqused_k,
+    max_seqlen_q, max_seqlen_k, page_table, kv_batch_idx, leftpad_k, rotary_cos, rotary_sin, seqlens_rotary,
+    q_descale, k_descale, v_descale, softmax_scale, causal, window_size=(-1, -1), attention_chunk=0, softcap=0.0,
+    rotary_interleaved=True, scheduler_metadata=None, num_splits=1, pack_gqa=None, sm_margin=0,
+):  # fmt: skip
+    unsupported = (k_new, qv, out, seqused_q, seqused_k, page_table, kv_batch_idx, leftpad_k, rotary_cos, q_descale)
+    seqlens = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    unused = [t is not None for t in unsupported] + [attention_chunk]
+    return _private_forward(q, k, v, seqlens, softmax_scale, causal, window_size, softcap, unused)
+
+
+def _backward_2025_04(
+    dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, sequed_q, sequed_k, max_seqlen_q, max_seqlen_k,
+    dq, dk, dv, softmax_scale, causal, window_size=(-1, -1), softcap=0.0, deterministic=False, sm_margin=0,
+):  # fmt: skip
+    tensors = (dout, q, k, v, out, softmax_lse, dq, dk, dv)
+    seqlens = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    unused = (sequed_q is not None, sequed_k is not None)
+    softmax_d = _private_backward(tensors, seqlens, softmax_scale, causal, window_size, softcap, unused)
+    return dq, dk, dv, softmax_d
+
+
+# ----------------------------------------------------------------------------- main (0251105a): custom ops
+
+_NAMESPACE = f"fa3_standin_{uuid.uuid4().hex[:8]}"  # the real "flash_attn_3"; one per import of the stand-in
+
+
+@torch.library.custom_op(f"{_NAMESPACE}::_flash_attn_forward", mutates_args=())
+def _forward_main(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    qv: torch.Tensor | None = None,
+    out_: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    cu_seqlens_k_new: torch.Tensor | None = None,
+    seqused_q: torch.Tensor | None = None,
+    seqused_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    page_table: torch.Tensor | None = None,
+    kv_batch_idx: torch.Tensor | None = None,
+    leftpad_k: torch.Tensor | None = None,
+    rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None,
+    seqlens_rotary: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size_left: int = -1,
+    window_size_right: int = -1,
+    attention_chunk: int = 0,
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    scheduler_metadata: torch.Tensor | None = None,
+    num_splits: int = 1,
+    pack_gqa: bool | None = None,
+    sm_margin: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    unsupported = (k_new, qv, out_, seqused_q, seqused_k, page_table, kv_batch_idx, leftpad_k, rotary_cos, q_descale)
+    seqlens = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    unused = [t is not None for t in unsupported] + [attention_chunk]
+    window = (window_size_left, window_size_right)
+    return _private_forward(q, k, v, seqlens, softmax_scale, causal, window, softcap, unused)
+
+
+@torch.library.custom_op(f"{_NAMESPACE}::_flash_attn_backward", mutates_args=("dq", "dk", "dv"))
+def _backward_main(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    softmax_lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    sequed_q: torch.Tensor | None = None,
+    sequed_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    dq: torch.Tensor | None = None,
+    dk: torch.Tensor | None = None,
+    dv: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    is_causal: bool = False,
+    window_size_left: int = -1,
+    window_size_right: int = -1,
+    softcap: float = 0.0,
+    deterministic: bool = False,
+    sm_margin: int = 0,
+) -> torch.Tensor:
+    tensors = (dout, q, k, v, out, softmax_lse, dq, dk, dv)
+    seqlens = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    unused = (sequed_q is not None, sequed_k is not None)
+    window = (window_size_left, window_size_right)
+    return _private_backward(tensors, seqlens, softmax_scale, is_causal, window, softcap, unused)
+
+
+_PRIVATE = {
+    "2024-08": (_forward_2024_08, _backward_2024_08),
+    "2025-01": (_forward_2025_01, _backward_2025_01),
+    "2025-04": (_forward_2025_04, _backward_2025_04),
+    "2.8.3": (_forward_2025_04, _backward_2025_04),
+    "main": (_forward_main, _backward_main),
+}
+_flash_attn_forward, _flash_attn_backward = _PRIVATE[ERA]

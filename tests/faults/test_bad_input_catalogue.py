@@ -192,6 +192,15 @@ def _attend_with(
         return cp_blockdiag_sdpa(q, k, v, dropout_p=dropout_p, enable_gqa=True, variant=variant or AttentionVariant())
 
 
+def _with_stand_ins(fa3: str, call: Callable[[], Any]) -> Any:
+    """``call()`` with the GPU libraries' stand-ins installed, FlashAttention-3 of build era ``fa3``."""
+    from tests.cases import fake_kernels
+    from tests.fakes.machine import Machine
+
+    with fake_kernels(machine=Machine(fa3=fa3)):
+        return call()
+
+
 def _packed_with(backend: str = "auto", length: int = 8, **call: Any) -> Any:
     """The cp=1 packed path armed (kernel ``backend``) for an 8-token row, called on ``length`` tokens, on CPU."""
     q, k = torch.zeros(1, 4, length, 8), torch.zeros(1, 2, length, 8)
@@ -217,6 +226,9 @@ KERNEL: dict[str, Callable[[], Any]] = {
         "flash", dropout_p=0.1, variant=AttentionVariant(sinks=torch.zeros(4))
     ),
     "kernel-fa3-device": lambda: _attend_with("fa3"),
+    "kernel-fa3-sinks-unread-pair": lambda: _with_stand_ins(
+        "2024-08", lambda: _attend_with("fa3", variant=AttentionVariant(sinks=torch.zeros(4)))
+    ),
     "kernel-fa3-dropout": lambda: _attend_with("fa3", dropout_p=0.1),
     "kernel-fa3-head-dim": lambda: _attend_with("fa3", head_dim=12),
     "kernel-torch-varlen-device": lambda: _attend_with("torch_varlen"),

@@ -83,6 +83,49 @@ def _backward_into(dout, q, k, v, out, lse, dq, dk, dv, segments, scale, causal,
     return dq, dk, dv, softmax_d
 
 
+def _fixed_forward(q, k, v, dropout_p, scale, causal, left, right, softcap, fn):
+    """``q [B, Sq, Hq, D]``: ``out [B, Sq, Hq, Dv]`` and ``lse [B, Hq, Sq]``."""
+    _check(q, k, v, dropout_p, scale, softcap, q.shape[-1])
+    b, sq = q.shape[:2]
+    flat = (t.flatten(0, 1) for t in (q, k, v))
+    out, lse = _forward(*flat, _fixed_segments(q, k), scale, causal, left, right, softcap, fn)
+    return out.unflatten(0, (b, sq)), lse.unflatten(1, (b, sq)).transpose(0, 1)
+
+
+def _varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, left, right, softcap, fn):
+    """``q [Tq, Hq, D]``: ``out [Tq, Hq, Dv]`` and ``lse [Hq, Tq]``."""
+    _check(q, k, v, dropout_p, scale, softcap, q.shape[-1])
+    segments = _varlen(q, k, v, cu_q, cu_k, max_q, max_k)
+    return _forward(q, k, v, segments, scale, causal, left, right, softcap, fn)
+
+
+def _fixed_backward(dout, q, k, v, out, lse, dq, dk, dv, dropout_p, scale, causal, left, right, softcap, fn):
+    """``[B, S, H, D]`` inputs, ``lse [B, Hq, Sq]``: writes ``dq``/``dk``/``dv``, returns ``softmax_d [Hq, B * Sq]``."""
+    _check(q, k, v, dropout_p, scale, softcap, q.shape[-1])
+    flat = [t.flatten(0, 1) for t in (dout, q, k, v, out, dq, dk, dv)]
+    flat_lse = lse.transpose(0, 1).flatten(1, 2)  # [Hq, B * Sq]
+    segments = _fixed_segments(q, k)
+    *_, softmax_d = _backward_into(*flat[:5], flat_lse, *flat[5:], segments, scale, causal, left, right, softcap, fn)
+    return softmax_d
+
+
+def _varlen_backward(
+    dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, left, right, softcap, fn
+):
+    """``[T, H, D]`` inputs, ``lse [Hq, Tq]``: writes ``dq``/``dk``/``dv``, returns ``softmax_d [Hq, Tq]``."""
+    _check(q, k, v, dropout_p, scale, softcap, q.shape[-1])
+    segments = _varlen(q, k, v, cu_q, cu_k, max_q, max_k)
+    tensors = (dout, q, k, v, out, lse, dq, dk, dv)
+    *_, softmax_d = _backward_into(*tensors, segments, scale, causal, left, right, softcap, fn)
+    return softmax_d
+
+
+def _dmask_and_rng() -> tuple[torch.Tensor, torch.Tensor]:
+    """The forwards' ``S_dmask`` (empty: no ``return_softmax``) and ``rng_state`` (no dropout)."""
+    return torch.empty(0), torch.empty(2, dtype=torch.int64)
+
+
+# Each era's exact signature as a thin wrapper over the bodies above.
 if _SPLIT_WINDOW:
 
     def _flash_attn_forward(
@@ -98,22 +141,9 @@ if _SPLIT_WINDOW:
         alibi_slopes,
         return_softmax,
     ):
-        _check(q, k, v, dropout_p, softmax_scale, softcap, q.shape[-1])
-        b, sq = q.shape[:2]
-        out, lse = _forward(
-            q.flatten(0, 1),
-            k.flatten(0, 1),
-            v.flatten(0, 1),
-            _fixed_segments(q, k),
-            softmax_scale,
-            causal,
-            window_size_left,
-            window_size_right,
-            softcap,
-            "_flash_attn_forward",
-        )
-        lse = lse.unflatten(1, (b, sq)).transpose(0, 1)  # [B, Hq, Sq]
-        return out.unflatten(0, (b, sq)), lse, torch.empty(0), torch.empty(2, dtype=torch.int64)
+        window = (window_size_left, window_size_right)
+        out, lse = _fixed_forward(q, k, v, dropout_p, softmax_scale, causal, *window, softcap, "_flash_attn_forward")
+        return out, lse, *_dmask_and_rng()
 
     def _flash_attn_varlen_forward(
         q,
@@ -136,21 +166,11 @@ if _SPLIT_WINDOW:
         seqused_k=None,
         zero_tensors=False,
     ):
-        _check(q, k, v, dropout_p, softmax_scale, softcap, q.shape[-1])
-        segments = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        out, lse = _forward(
-            q,
-            k,
-            v,
-            segments,
-            softmax_scale,
-            causal,
-            window_size_left,
-            window_size_right,
-            softcap,
-            "_flash_attn_varlen_forward",
-        )
-        return out, lse, torch.empty(0), torch.empty(2, dtype=torch.int64)
+        lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        window = (window_size_left, window_size_right)
+        fn = "_flash_attn_varlen_forward"
+        out, lse = _varlen_forward(q, k, v, *lengths, dropout_p, softmax_scale, causal, *window, softcap, fn)
+        return out, lse, *_dmask_and_rng()
 
     def _flash_attn_backward(
         dout,
@@ -172,22 +192,9 @@ if _SPLIT_WINDOW:
         deterministic,
         rng_state=None,
     ):
-        _check(q, k, v, dropout_p, softmax_scale, softcap, q.shape[-1])
-        flat = [t.flatten(0, 1) for t in (dout, q, k, v, out, dq, dk, dv)]
-        lse = softmax_lse.transpose(0, 1).flatten(1, 2)  # [Hq, B * Sq]
-        *_, softmax_d = _backward_into(
-            *flat[:5],
-            lse,
-            *flat[5:],
-            _fixed_segments(q, k),
-            softmax_scale,
-            causal,
-            window_size_left,
-            window_size_right,
-            softcap,
-            "_flash_attn_backward",
-        )
-        return softmax_d
+        tensors = (dout, q, k, v, out, softmax_lse, dq, dk, dv)
+        window = (window_size_left, window_size_right)
+        return _fixed_backward(*tensors, dropout_p, softmax_scale, causal, *window, softcap, "_flash_attn_backward")
 
     def _flash_attn_varlen_backward(
         dout,
@@ -214,49 +221,20 @@ if _SPLIT_WINDOW:
         rng_state=None,
         zero_tensors=False,
     ):
-        _check(q, k, v, dropout_p, softmax_scale, softcap, q.shape[-1])
-        segments = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        *_, softmax_d = _backward_into(
-            dout,
-            q,
-            k,
-            v,
-            out,
-            softmax_lse,
-            dq,
-            dk,
-            dv,
-            segments,
-            softmax_scale,
-            causal,
-            window_size_left,
-            window_size_right,
-            softcap,
-            "_flash_attn_varlen_backward",
-        )
-        return softmax_d
+        tensors = (dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        window = (window_size_left, window_size_right)
+        fn = "_flash_attn_varlen_backward"
+        return _varlen_backward(*tensors, dropout_p, softmax_scale, causal, *window, softcap, fn)
 
 else:
 
     def _flash_attn_forward(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax
     ):
-        _check(q, k, v, dropout_p, softmax_scale, softcap, q.shape[-1])
-        b, sq = q.shape[:2]
-        out, lse = _forward(
-            q.flatten(0, 1),
-            k.flatten(0, 1),
-            v.flatten(0, 1),
-            _fixed_segments(q, k),
-            softmax_scale,
-            causal,
-            *window_size,
-            softcap,
-            "_flash_attn_forward",
+        out, lse = _fixed_forward(
+            q, k, v, dropout_p, softmax_scale, causal, *window_size, softcap, "_flash_attn_forward"
         )
-        out = out.unflatten(0, (b, sq))
-        lse = lse.unflatten(1, (b, sq)).transpose(0, 1)
-        return out, q, k, v, out, lse, torch.empty(0), torch.empty(2, dtype=torch.int64)
+        return out, q, k, v, out, lse, *_dmask_and_rng()
 
     def _flash_attn_varlen_forward(
         q,
@@ -277,12 +255,10 @@ else:
         leftpad_k=None,
         seqused_k=None,
     ):
-        _check(q, k, v, dropout_p, softmax_scale, softcap, q.shape[-1])
-        segments = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        out, lse = _forward(
-            q, k, v, segments, softmax_scale, causal, *window_size, softcap, "_flash_attn_varlen_forward"
-        )
-        return out, q, k, v, out, lse, torch.empty(0), torch.empty(2, dtype=torch.int64)
+        lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        fn = "_flash_attn_varlen_forward"
+        out, lse = _varlen_forward(q, k, v, *lengths, dropout_p, softmax_scale, causal, *window_size, softcap, fn)
+        return out, q, k, v, out, lse, *_dmask_and_rng()
 
     def _flash_attn_backward(
         dout,
@@ -303,21 +279,9 @@ else:
         deterministic,
         rng_state=None,
     ):
-        _check(q, k, v, dropout_p, softmax_scale, softcap, q.shape[-1])
-        flat = [t.flatten(0, 1) for t in (dout, q, k, v, out, dq, dk, dv)]
-        lse = softmax_lse.transpose(0, 1).flatten(1, 2)
-        *_, softmax_d = _backward_into(
-            *flat[:5],
-            lse,
-            *flat[5:],
-            _fixed_segments(q, k),
-            softmax_scale,
-            causal,
-            *window_size,
-            softcap,
-            "_flash_attn_backward",
-        )
-        return dq, dk, dv, softmax_d
+        tensors = (dout, q, k, v, out, softmax_lse, dq, dk, dv)
+        fn = "_flash_attn_backward"
+        return dq, dk, dv, _fixed_backward(*tensors, dropout_p, softmax_scale, causal, *window_size, softcap, fn)
 
     def _flash_attn_varlen_backward(
         dout,
@@ -342,22 +306,6 @@ else:
         deterministic,
         rng_state=None,
     ):
-        _check(q, k, v, dropout_p, softmax_scale, softcap, q.shape[-1])
-        segments = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        return _backward_into(
-            dout,
-            q,
-            k,
-            v,
-            out,
-            softmax_lse,
-            dq,
-            dk,
-            dv,
-            segments,
-            softmax_scale,
-            causal,
-            *window_size,
-            softcap,
-            "_flash_attn_varlen_backward",
-        )
+        tensors = (dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        fn = "_flash_attn_varlen_backward"
+        return dq, dk, dv, _varlen_backward(*tensors, dropout_p, softmax_scale, causal, *window_size, softcap, fn)

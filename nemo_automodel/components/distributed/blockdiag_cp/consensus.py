@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 _CONTROL_FLOW: tuple[type[BaseException], ...] = (torch.utils.checkpoint._StopRecomputationError,)
 
 
-def _saved_tensor_hooks_active() -> bool:
+def saved_tensor_hooks_active() -> bool:
     """True under saved-tensor hooks (non-reentrant activation checkpointing, CPU offloading).
 
     Their tensors are re-materialized per backward graph task, so a kernel graph
@@ -293,6 +293,6 @@ def guarded(
     collective (the process-group timeout bounds the wait).
     """
     inputs = (q, k, v, *extra)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs) and not _saved_tensor_hooks_active():
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs) and not saved_tensor_hooks_active():
         return GuardedKernel.apply(fn, recorder, describe, *inputs)
     return _call(fn, recorder, describe, *inputs)

@@ -329,6 +329,33 @@ class _Wait(torch.autograd.Function):
         return grad.new_zeros(0), None  # the real gradient travels inside the op, completed by _Post
 
 
+class _RecomputeFence(torch.autograd.Function):
+    """Identity on a call's output whose backward reads the one tensor it saved, packed after the exchange's wait.
+
+    Under non-reentrant activation checkpointing both properties matter when the checkpointed function
+    ends at the attention call. Reading a saved tensor makes this node (the call's first in backward)
+    run the recompute on every rank before any reverse collective of the call; without it a rank whose
+    groups need nothing received reaches ``_Wait``'s backward (the reverse collective) first, while its
+    peers recompute (a forward collective) first. Being the call's last saved tensor, it makes every
+    rank's recompute stop at the same point, after the wait, instead of after each rank's last kernel.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(out.new_empty(0))
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        ctx.saved_tensors  # noqa: B018  (the read is the point: under checkpointing it runs the recompute)
+        return grad
+
+
+def recompute_fence(out: torch.Tensor) -> torch.Tensor:
+    """``out`` (any shape) behind :class:`_RecomputeFence`: call it after the exchange's wait, as the call's last op."""
+    return _RecomputeFence.apply(out)
+
+
 def post(send: torch.Tensor, op: ExchangeOp) -> torch.Tensor:
     """Start the exchange of the send buffer ``[T, F]`` (differentiable)."""
     return _Post.apply(send, op)

@@ -297,6 +297,30 @@ def _require(problem: str | None) -> None:
         raise ValueError(problem)
 
 
+def _checked_libraries(
+    kernel: str,
+    q: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float,
+    variant: AttentionVariant,
+    variant_check: Callable[[KernelCall, GpuLibraries], str | None],
+    takes_dropout: bool = True,
+) -> tuple[GpuLibraries, KernelCall, Any]:
+    """The probed libraries, the call's facts and ``kernel``'s library facts (``libs.<kernel>``), once it can run.
+
+    Re-checks, as the registry did: the variant (its verdict memoized per call shape), the kernel's
+    dropout support, then the library's installation problem.
+    """
+    libs = probe_gpu_libraries(q.device)
+    call = _call_of(q, v, dropout_p, variant)
+    _require(None if variant.plain else _once("variant", kernel, call, libs, lambda: variant_check(call, libs)))
+    if not takes_dropout and dropout_p > 0:
+        raise ValueError(f"{kernel} has no dropout; attn_backend='{kernel}' needs dropout_p=0")
+    facts = getattr(libs, kernel)  # GpuLibraries names each library's facts after its kernel
+    _require(facts.problem)
+    return libs, call, facts
+
+
 def _call_of(q: torch.Tensor, v: torch.Tensor, dropout_p: float, variant: AttentionVariant) -> KernelCall:
     return KernelCall(q.dtype, q.shape[-1], v.shape[-1], dropout_p, variant)
 
@@ -313,7 +337,7 @@ class FlashFunctions:
     fixed: Callable[..., Any]
     varlen: Callable[..., Any]
     takes_dropout: bool
-    lse: libs_.FlashLse | None = None  # flash-attn 2's private forward/backward pair, for sinks
+    lse: libs_.FlashLse | libs_.Fa3Lse | None = None  # the library's private forward/backward pair, for sinks
 
 
 def _flash_family(
@@ -334,7 +358,7 @@ def _flash_family(
     ``softcap=c``; plain calls pass neither (older builds lack them).
     """
     if variant.sinks is not None:
-        assert functions.lse is not None  # flash_variant_problem refused the call otherwise
+        assert functions.lse is not None  # the variant check refused the call otherwise
         scale = q.shape[2] ** -0.5 if scale is None else scale
         call = _LseCall(functions.lse, meta, scale, flash_window(meta.window), float(variant.softcap or 0.0))
         return (_FlashSinks.apply(q, k, v, variant.sinks, call),)
@@ -366,9 +390,9 @@ def _flash_family(
 
 @dataclass(frozen=True)
 class _LseCall:
-    """One group's calls of flash-attn 2's private pair (:class:`.gpu_libraries.FlashLse`) and their options."""
+    """One group's calls of a private pair (:class:`.gpu_libraries.FlashLse`, :class:`.gpu_libraries.Fa3Lse`)."""
 
-    lse: libs_.FlashLse
+    lse: libs_.FlashLse | libs_.Fa3Lse
     meta: VarlenMeta
     scale: float
     window: tuple[int, int]
@@ -408,7 +432,7 @@ class _LseCall:
 
 
 class _FlashSinks(torch.autograd.Function):
-    """flash-attn 2 with sinks ``[Hq]``: ``q [n, Hq, D]`` over ``k/v [K, Hkv, D]`` -> ``[n, Hq, D]``.
+    """flash-attn 2 or FA3 with sinks ``[Hq]``: ``q [n, Hq, D]`` over ``k/v [K, Hkv, D]`` -> ``[n, Hq, D]``.
 
     Each piece's sink-free output is scaled by ``a = sigmoid(lse - sink)``; backward calls the private
     backward with ``a * dout`` and the scaled output (the algebra of :class:`.cpu_kernels._LseAttention`),
@@ -459,17 +483,10 @@ def _flash_library(
     variant: AttentionVariant,
 ) -> Pieces:
     """``flash`` or ``fa3``: the probed library's functions through :func:`_flash_family`, features re-checked."""
-    libs = probe_gpu_libraries(q.device)
-    facts, variant_check = (
-        (libs.flash, flash_variant_problem) if library == "flash" else (libs.fa3, fa3_variant_problem)
-    )
-    call = _call_of(q, v, dropout_p, variant)
-    _require(None if variant.plain else _once("variant", library, call, libs, lambda: variant_check(call, libs)))
-    if library == "fa3" and dropout_p > 0:
-        raise ValueError("fa3 has no dropout; attn_backend='fa3' needs dropout_p=0")
-    _require(facts.problem)
-    lse = libs.flash.lse if library == "flash" else None
-    functions = FlashFunctions(facts.fixed, facts.varlen, takes_dropout=library == "flash", lse=lse)
+    flash_2 = library == "flash"
+    variant_check = flash_variant_problem if flash_2 else fa3_variant_problem
+    *_, facts = _checked_libraries(library, q, v, dropout_p, variant, variant_check, takes_dropout=flash_2)
+    functions = FlashFunctions(facts.fixed, facts.varlen, takes_dropout=flash_2, lse=facts.lse)
     return _flash_family(q, k, v, meta, scale, dropout_p, variant, functions)
 
 
@@ -522,13 +539,8 @@ def torch_varlen(
     ones go through SDPA with a bottom-right causal bias (torch's fixed-length flash kernel),
     windowed ones are made square by :func:`_square_windowed`.
     """
-    libs = probe_gpu_libraries(q.device)
-    call = _call_of(q, v, dropout_p, variant)
-    check = lambda: torch_varlen_variant_problem(call, libs)  # noqa: E731
-    _require(None if variant.plain else _once("variant", "torch_varlen", call, libs, check))
-    if dropout_p > 0:
-        raise ValueError("torch_varlen has no dropout; attn_backend='torch_varlen' needs dropout_p=0")
-    _require(libs.torch_varlen.problem)
+    check = torch_varlen_variant_problem
+    libs, _, _ = _checked_libraries("torch_varlen", q, v, dropout_p, variant, check, takes_dropout=False)
     gqa = q.shape[1] != k.shape[1]
     options: dict[str, Any] = {
         "scale": scale,
@@ -679,10 +691,7 @@ def te(
     ``bshd``/``causal_bottom_right`` module of their own (TE's fixed-length flash call), as
     the boundary guard does for ``flash``. A window ``W`` is the modules' ``window_size=(W - 1, 0)``.
     """
-    libs = probe_gpu_libraries(q.device)
-    call = _call_of(q, v, dropout_p, variant)
-    _require(None if variant.plain else _once("variant", "te", call, libs, lambda: te_variant_problem(call, libs)))
-    _require(libs.te.problem)
+    libs, call, _ = _checked_libraries("te", q, v, dropout_p, variant, te_variant_problem)
     key = TEModuleKey(q.shape[1], k.shape[1], q.shape[2], v.shape[2], scale, dropout_p, str(q.device), meta.window)
     heads = q.shape[1]
 

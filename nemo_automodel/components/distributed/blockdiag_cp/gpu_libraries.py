@@ -175,6 +175,80 @@ class FlashFacts:
 
 
 @dataclass(frozen=True)
+class Fa3Binding:
+    """How to call one function of FA3's private pair by keyword (hopper/flash_attn_interface.py, 2025-01-07 on).
+
+    Attributes:
+        causal: The name of the causal flag (the backward's is ``is_causal`` from the custom ops of 2025-07-16).
+        split_window: ``window_size_left``/``window_size_right`` ints (custom ops) instead of a ``window_size`` tuple.
+        unused: Optional inputs without a default in this build (before 2025-08-06), passed as ``None``.
+    """
+
+    causal: str
+    split_window: bool
+    unused: tuple[str, ...]
+    function: Callable[..., Any] = field(compare=False, repr=False)
+
+    def __call__(self, window: tuple[int, int], **arguments: Any) -> Any:
+        """Call with ``arguments`` by keyword, ``causal`` true and the window in this build's spelling."""
+        if self.split_window:
+            spelled: dict[str, Any] = {"window_size_left": window[0], "window_size_right": window[1]}
+        else:
+            spelled = {"window_size": window}
+        return self.function(**dict.fromkeys(self.unused), **arguments, **{self.causal: True}, **spelled)
+
+
+@dataclass(frozen=True)
+class Fa3Lse:
+    """FA3's private pair: one ``_flash_attn_forward`` returning ``(out, softmax_lse, ...)`` and one
+    ``_flash_attn_backward`` writing ``dq``/``dk``/``dv`` in place, each for fixed-length and varlen calls
+    (``cu_seqlens_*`` ``None`` or given). Same interface as :class:`FlashLse`."""
+
+    forward_call: Fa3Binding
+    backward_call: Fa3Binding
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        seqlens: tuple[torch.Tensor, torch.Tensor, int, int] | None,
+        scale: float,
+        window: tuple[int, int],
+        softcap: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Causal ``(out, softmax_lse)``: varlen ``q [Tq, Hq, D]`` -> ``lse [Hq, Tq]``; fixed-length
+        ``q [B, Sq, Hq, D]`` (``seqlens=None``) -> ``lse [B, Hq, Sq]`` (hopper/flash_api.cpp ``mha_fwd``)."""
+        result = self.forward_call(window, q=q, k=k, v=v, **_fa3_seqlens(seqlens), softmax_scale=scale, softcap=softcap)
+        want = (q.shape[1], q.shape[0]) if seqlens is not None else (q.shape[0], q.shape[2], q.shape[1])
+        if not isinstance(result, tuple | list) or len(result) < 2 or tuple(result[1].shape) != want:
+            # every known build returns (out, softmax_lse, *rest); anything else is a contract we do not know
+            raise RuntimeError(
+                f"FlashAttention-3's private _flash_attn_forward did not return (out, softmax_lse [{want}]); "
+                f"attention sinks cannot use this build; {INSTALL_FA3} from a known hopper/ revision"
+            )
+        return result[0], result[1]
+
+    def backward(
+        self,
+        grads: tuple[torch.Tensor, ...],
+        seqlens: tuple[torch.Tensor, torch.Tensor, int, int] | None,
+        scale: float,
+        window: tuple[int, int],
+        softcap: float,
+    ) -> None:
+        """Write ``dq, dk, dv`` (the last three of ``grads = (dout, q, k, v, out, lse, dq, dk, dv)``) in place."""
+        names = ("dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv")
+        tensors = dict(zip(names, grads))
+        self.backward_call(window, **tensors, **_fa3_seqlens(seqlens), softmax_scale=scale, softcap=softcap)
+
+
+def _fa3_seqlens(seqlens: tuple[torch.Tensor, torch.Tensor, int, int] | None) -> dict[str, Any]:
+    names = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+    return dict.fromkeys(names) if seqlens is None else dict(zip(names, seqlens))
+
+
+@dataclass(frozen=True)
 class Fa3Facts:
     """FlashAttention-3 (``flash_attn_interface``) as built.
 
@@ -184,6 +258,7 @@ class Fa3Facts:
         unpassed_required: Required parameters our keyword calls would not pass (a signature we cannot call).
         disabled: Features switched off at build time (``flash_attn_config.CONFIG["build_flags"]``, e.g.
             ``"BACKWARD"``, ``"LOCAL"``, ``"HDIM256"``); ``None``: the build has no config (before 2025-07-16).
+        lse: The private forward/backward pair sinks need, or ``None`` with ``lse_problem`` saying why.
     """
 
     problem: str | None
@@ -192,6 +267,8 @@ class Fa3Facts:
     disabled: frozenset[str] | None = None
     varlen: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
     fixed: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
+    lse: Fa3Lse | None = None
+    lse_problem: str | None = "FlashAttention-3 is not probed"
 
 
 @dataclass(frozen=True)
@@ -420,6 +497,66 @@ def _fa3_build_flags() -> frozenset[str] | None:
     return frozenset(prefix.sub("", name).upper() for name, on in flags.items() if on and prefix.match(name))
 
 
+# FA3's private pair, every parameter of every hopper/flash_attn_interface.py revision from 2025-01-07 (7a802796)
+# to 2025-11-21 (3fcde4b3, still so in 2026): a parameter outside these sets is a contract we have not read.
+FA3_LSE_FORWARD_USED = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+FA3_LSE_BACKWARD_USED = ("dout", "q", "k", "v", "out", "softmax_lse", *FA3_LSE_FORWARD_USED[3:], "dq", "dk", "dv")
+# optional inputs we do not use (no default before 2025-08-06: passed as None); `out` became `out_` on 2025-11-21,
+# `sequed_q`/`sequed_k` are the backward's spelling of seqused
+FA3_LSE_UNUSED = frozenset(
+    {
+        "k_new", "v_new", "qv", "out", "out_", "cu_seqlens_k_new", "seqused_q", "seqused_k", "sequed_q", "sequed_k",
+        "page_table", "kv_batch_idx", "leftpad_k", "rotary_cos", "rotary_sin", "seqlens_rotary", "q_descale",
+        "k_descale", "v_descale",
+    }
+)  # fmt: skip
+# left at their defaults, which are the public functions' (no sink tokens, no chunking, one split, no margin)
+FA3_LSE_DEFAULTED = frozenset(
+    {"sink_token_length", "attention_chunk", "rotary_interleaved", "scheduler_metadata", "num_splits", "pack_gqa"}
+    | {"sm_margin", "deterministic"}
+)
+FA3_CAUSAL = ("causal", "is_causal")  # the backward's flag is is_causal in the custom ops (2025-07-16 on)
+FA3_WINDOW = {False: ("window_size",), True: ("window_size_left", "window_size_right")}
+
+
+def _fa3_binding(module: ModuleType, name: str, used: tuple[str, ...]) -> Fa3Binding | str:
+    """How to call ``name`` of FA3's private pair by keyword, or why this build's signature is not one we know."""
+    fn = getattr(module, name, None)
+    # a torch.library custom op (2025-07-16 on) keeps the decorated function as _init_fn
+    signature = None if fn is None else _signature(getattr(fn, "_init_fn", fn))
+    if signature is None:
+        return f"it has no inspectable {name}"
+    parameters = signature.parameters
+    causal = next((c for c in FA3_CAUSAL if c in parameters), FA3_CAUSAL[0])
+    split = "window_size_left" in parameters
+    needed = (*used, "softmax_scale", "softcap", causal, *FA3_WINDOW[split])
+    missing = [p for p in needed if p not in parameters]
+    unknown = [p for p in parameters if p not in needed and p not in FA3_LSE_UNUSED | FA3_LSE_DEFAULTED]
+    undefaulted = [p for p in parameters if p in FA3_LSE_DEFAULTED and parameters[p].default is inspect.Parameter.empty]
+    for what, names in (("lacks", missing), ("takes", unknown), ("requires", undefaulted)):
+        if names:
+            return f"its {name} {what} {', '.join(names)}"
+    unused = tuple(p for p in parameters if p in FA3_LSE_UNUSED and p not in used)
+    return Fa3Binding(causal, split, tuple(p for p in unused if parameters[p].default is inspect.Parameter.empty), fn)
+
+
+def _probe_fa3_lse(module: ModuleType) -> tuple[Fa3Lse | None, str | None]:
+    """FA3's private pair checked parameter by parameter against every revision read, or why it cannot be used."""
+    calls = [
+        _fa3_binding(module, "_flash_attn_forward", FA3_LSE_FORWARD_USED),
+        _fa3_binding(module, "_flash_attn_backward", FA3_LSE_BACKWARD_USED),
+    ]
+    problems = [c for c in calls if isinstance(c, str)]
+    if problems:
+        return None, (
+            f"this FlashAttention-3 build's private pair is not one this kernel has read ({'; '.join(problems)}; "
+            f"known: the hopper/ interfaces of 2025-01-07 to 2025-11-21); {INSTALL_FA3} from such a revision"
+        )
+    forward, backward = calls
+    assert isinstance(forward, Fa3Binding) and isinstance(backward, Fa3Binding)
+    return Fa3Lse(forward, backward), None
+
+
 def _probe_fa3() -> Fa3Facts:
     probe = probe_import("flash_attn_interface")
     if probe.problem is not None:
@@ -433,7 +570,8 @@ def _probe_fa3() -> Fa3Facts:
     unpassed = tuple(p for p in required_parameters(varlen) if p not in FA3_VARLEN_PASSED) + tuple(
         p for p in required_parameters(fixed) if p not in FA3_FIXED_PASSED
     )
-    return Fa3Facts(None, parameters_of(varlen, fixed), unpassed, _fa3_build_flags(), varlen, fixed)
+    lse, lse_problem = _probe_fa3_lse(probe.module)
+    return Fa3Facts(None, parameters_of(varlen, fixed), unpassed, _fa3_build_flags(), varlen, fixed, lse, lse_problem)
 
 
 # Where TE keeps its view of flash-attn: a FlashAttentionUtils class from 2.2 (2.3 moved the module),
@@ -726,7 +864,9 @@ def fa3_gaps(fa3: Fa3Facts) -> dict[str, str]:
     on 2025-01-07 (hopper/flash_attn_interface.py); the build flags
     ``DISABLE_LOCAL``/``DISABLE_SOFTCAP`` turn either into a runtime error.
     """
-    gaps = {"sinks": "FlashAttention-3's flash_attn_interface takes no attention-sink logits (no s_aux input)"}
+    gaps: dict[str, str] = {}
+    if fa3.lse is None:  # no native sink input (hopper/ has none): sinks rescale the output of the private pair
+        gaps["sinks"] = f"attention sinks need FlashAttention-3's private forward/backward pair: {fa3.lse_problem}"
     disabled = fa3.disabled or frozenset()
     for kind, parameter, flag in (("window", "window_size", "LOCAL"), ("softcap", "softcap", "SOFTCAP")):
         if fa3.problem is None and parameter not in fa3.parameters:

@@ -443,6 +443,8 @@ def _attend(
     if op is not None:
         state.stats.exchange_wait_s += op.wait_s
         state.stats.exchange_calls += 1
+    if op is not None and consensus.saved_tensor_hooks_active():  # checkpointed: one recompute, same on every rank
+        out = exchange.recompute_fence(out)
     return out
 
 
