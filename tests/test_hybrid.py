@@ -4,7 +4,7 @@ Exact against the float64 reference on real gloo groups at cp=4 (2 x 2) and cp=6
 MHA and GQA, head counts that do not divide ``h``, fewer K/V heads than ``h`` and fewer query heads than
 ``h``, every CPU kernel, windows, chunks, soft-cap, sinks and ``Dv != D``, forward and backward; the K/V
 rows each part moved; the re-sharding of the sequence part; a kernel failure inside a hybrid step;
-the factorization's errors.
+the factorization's errors; ``auto``'s pick and the cost model; a model family at cp=4.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from nemo_automodel.components.distributed.blockdiag_cp.exchange import compute_
 from nemo_automodel.components.distributed.blockdiag_cp.layout import doc_runs_from_ids, make_shard_plan
 from nemo_automodel.components.distributed.blockdiag_cp.topology import GroupHosts, RankHost
 from nemo_automodel.testing.cases import Case, layout
+from tests.families import cp_run
+from tests.test_model_families import _problems as family_problems
 from tests.test_parity_distributed import CPU_KERNELS, _check
 from tests.test_runtime import _fail_with_options
 
@@ -148,3 +150,15 @@ def test_cost_model_bytes_per_part_and_inter_node_link():
     inside = cost.predict("allgather", shard, kv, shape, machine)
     assert across.step_s > inside.step_s  # the inter-node link is slower
     assert cost.default_degree(8, two_nodes) == 4 and cost.default_degree(6) == 3 and cost.default_degree(5) is None
+
+
+def test_model_family_matches_unpacked_eager_at_cp4(pools):
+    """Llama (4 query / 2 K/V heads: one K/V head per member of a 2-rank head group), both layouts."""
+    cases = (("contiguous", "ulysses+halo"), ("balanced", "ulysses+a2a"))
+    failures = []
+    for name in ("llama",):
+        results = pools.get(4).run_ok(cp_run, name, cases, timeout=240)
+        problems = family_problems(name, results, cases)
+        failures += [f"{name}: {p}" for found in problems.values() for p in found]
+        failures += [f"{name}: path {r[i]['path']}" for r in results for i in range(2) if r[i]["path"] != cases[i][1]]
+    assert not failures, "\n".join(map(str, failures))
