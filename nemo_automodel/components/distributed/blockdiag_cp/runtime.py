@@ -25,7 +25,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -543,7 +543,7 @@ def _attend_hybrid(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    after_backward: functools.partial[None],
+    after_backward: Callable[[ExchangeOp], None],
 ) -> torch.Tensor:
     """``kv_exchange="ulysses+*"`` (:mod:`.hybrid`): head all-to-all, the sequence part's :func:`_attend`, back.
 
