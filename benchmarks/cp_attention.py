@@ -53,6 +53,7 @@ from nemo_automodel.components.distributed.blockdiag_cp import (
     make_cp_blockdiag_batch_and_ctx,
 )
 from nemo_automodel.components.distributed.blockdiag_cp.layout import balance, doc_runs_from_lengths, make_shard_plan
+from nemo_automodel.components.distributed.blockdiag_cp.rows import row_views
 from nemo_automodel.components.distributed.blockdiag_cp.runtime import reset_exchange_stats
 from nemo_automodel.testing.dist import init_gloo, run_ranks
 from nemo_automodel.testing.workloads import AttentionBlock, sft_mix
@@ -187,7 +188,7 @@ def _exchange_alone(ctx: Any, work: Workload, local_len: int, path: str, reps: i
             op = route.new_op(st.group, st.cp_rank, st.cp_size)
             dist.barrier()
             start = time.perf_counter()
-            chunks = (k.split(route.local_cuts, dim=2), v.split(route.local_cuts, dim=2))
+            chunks = (row_views(k, route.local_spans), row_views(v, route.local_spans))
             op.start(exchange.send_buffer(k, v, chunks, route.send_chunks))
             received = op.finish()
             op.start_backward(torch.ones_like(received))

@@ -8,7 +8,8 @@ Sections (a kernel that cannot run here gets a ``skip: <reason>`` row, the reaso
 
 - ``parity``: forward + backward of ``kernels.blockdiag_attention`` for every kernel x bf16/fp16 against the
   float64 reference (``tests/reference.py``) on segments with earlier keys (k > q, some long) and GQA, with a
-  sliding window (GQA), a window + soft-cap, and a value head dim of its own (MLA);
+  sliding window (GQA), a window + soft-cap, attention sinks (and their gradient), and a value head dim of its own
+  (MLA);
 - ``tflops``: forward + backward TFLOP/s of one packed row of 8K/32K/128K tokens (a long-tailed document mix,
   32/8 heads of 128, bf16) against the device's dense bf16 peak; a row whose memory would not fit is skipped
   before it runs, and ``te`` names the TE backend it would use (only-unfused TE is skipped: its scores grow
@@ -72,8 +73,9 @@ MEMORY_SHARE = 0.8
 class ParityCase:
     """Segments ``(q_len, k_len)`` in units (64 tokens on a GPU, 4 on CPU), heads ``(Hq, Hkv)``, head dims.
 
-    ``window`` (in units) and ``softcap`` make it an :class:`AttentionVariant` case; a kernel that
-    cannot compute the variant gets a ``skip:`` row naming the feature.
+    ``window`` (in units), ``softcap`` and ``sinks`` (one logit per query head, ``linspace(-1, 1.5)``) make it
+    an :class:`AttentionVariant` case; a kernel that cannot compute the variant gets a ``skip:`` row naming the
+    feature.
     """
 
     name: str
@@ -83,10 +85,12 @@ class ParityCase:
     value_head_dim: int | None = None
     window: int | None = None
     softcap: float | None = None
+    sinks: bool = False
 
     def variant(self, unit: int) -> AttentionVariant:
         window = None if self.window is None else self.window * unit
-        return AttentionVariant(window=window, softcap=self.softcap, source=f"gpu_check {self.name}")
+        sinks = torch.linspace(-1.0, 1.5, self.heads[0], dtype=torch.float64) if self.sinks else None
+        return AttentionVariant(window=window, softcap=self.softcap, sinks=sinks, source=f"gpu_check {self.name}")
 
 
 CASES = (
@@ -99,6 +103,8 @@ CASES = (
     ParityCase("window-gqa", ((5, 19), (8, 8), (3, 3), (2, 11)), heads=(8, 2), window=4),
     # a window and a soft-cap small enough to bend N(0, 1) scores (Gemma-2)
     ParityCase("window-softcap", ((5, 19), (8, 8), (2, 11)), heads=(8, 2), window=3, softcap=1.5),
+    # gpt-oss: learned sinks on straddling segments (flash/fa3 rescale their private pair's output), GQA
+    ParityCase("sinks-gqa", ((5, 19), (8, 8), (2, 11)), heads=(8, 2), head_dim=64, sinks=True),
     # DeepSeek-V3's MLA head dims: queries/keys 192, values 128
     ParityCase("mla-192-128", ((5, 19), (8, 8)), heads=(8, 8), head_dim=192, value_head_dim=128),
 )
@@ -291,7 +297,8 @@ def _variant_segment(
     """One segment from the variant's definition: ``q [1, Hq, Lq, D]`` are the last rows of ``k/v [1, Hkv, Lk, *]``.
 
     Row ``a`` is key position ``i = Lk - Lq + a`` and attends keys ``j`` with ``i - W < j <= i``;
-    scores are scaled, soft-capped, masked, softmaxed (float64 explicit softmax, as ``tests/reference.py``).
+    scores are scaled, soft-capped, masked, softmaxed (float64 explicit softmax, as ``tests/reference.py``),
+    a head's sink logit joining the softmax as one more column that carries no value.
     """
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -303,13 +310,19 @@ def _variant_segment(
     scores = (q @ k.transpose(-1, -2)) * scale
     if variant.softcap is not None:
         scores = variant.softcap * torch.tanh(scores / variant.softcap)
-    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ v
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if variant.sinks is None:
+        return torch.softmax(scores, dim=-1) @ v
+    sink = variant.sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1] @ v
 
 
 def _problem(case: ParityCase, unit: int, device: torch.device) -> Problem:
     q_lens = tuple(q * unit for q, _ in case.segments)
     k_lens = tuple(k * unit for _, k in case.segments)
     variant = case.variant(unit)
+    if variant.sinks is not None:  # a leaf on the device: the reference's sink gradient is compared too
+        variant = replace(variant, sinks=variant.sinks.to(device).requires_grad_())
     meta = kernels.build_varlen_meta(q_lens, k_lens, sum(q_lens), device, window=variant.window)
     gen = torch.Generator().manual_seed(0)
     hq, hkv = case.heads
@@ -330,14 +343,22 @@ def _problem(case: ParityCase, unit: int, device: torch.device) -> Problem:
         outs.append(reference_attention(rows, segment[1], segment[2], ones)[:, :, k_len - q_len :])
     out = torch.cat(outs, dim=2)
     (out * inputs["gout"]).sum().backward()
-    return Problem(meta, inputs, {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}, variant)
+    reference = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    if variant.sinks is not None:
+        reference["dsinks"] = variant.sinks.grad
+    return Problem(meta, inputs, reference, variant)
 
 
 def _relative_errors(problem: Problem, kernel: str, dtype: torch.dtype) -> dict[str, float]:
     q, k, v = (problem.inputs[n].to(dtype).requires_grad_() for n in ("q", "k", "v"))
-    out = kernels.blockdiag_attention(kernel, q, k, v, problem.meta, None, 0.0, problem.variant)
+    variant = problem.variant
+    if variant.sinks is not None:  # the model's s_aux: a parameter in the run's dtype
+        variant = replace(variant, sinks=variant.sinks.detach().to(dtype).requires_grad_())
+    out = kernels.blockdiag_attention(kernel, q, k, v, problem.meta, None, 0.0, variant)
     (out * problem.inputs["gout"].to(dtype)).sum().backward()
     got = {"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    if variant.sinks is not None:
+        got["dsinks"] = variant.sinks.grad
     return {
         n: ((got[n].double() - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
         for n, want in problem.reference.items()

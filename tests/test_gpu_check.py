@@ -43,14 +43,14 @@ def test_gpu_check_runs_on_cpu_and_skips_every_gpu_section(tmp_path):
         assert f"{section}: skip: no CUDA device" in lines
     rows = _table(result.stdout, "parity")
     cpu = {(r[0], r[1], r[2]): r[3] for r in rows if r[0] in ("sdpa_varlen", "dense")}
-    assert len(cpu) == 2 * 2 * 6 and set(cpu.values()) == {"ok"}  # 2 kernels x bf16/fp16 x 6 cases
+    assert len(cpu) == 2 * 2 * 7 and set(cpu.values()) == {"ok"}  # 2 kernels x bf16/fp16 x 7 cases
     assert {case for _, _, case in cpu} >= {"window-gqa", "window-softcap", "mla-192-128"}
     gpu = [r for r in rows if r[0] in ("fa3", "flash", "te", "torch_varlen")]
-    assert len(gpu) == 4 * 2 * 6 and all(r[3].startswith("skip: ") for r in gpu)
+    assert len(gpu) == 4 * 2 * 7 and all(r[3].startswith("skip: ") for r in gpu)
     # the variant and the head dims are checked before the device: those refusals name the feature
     named = {(r[0], r[2]) for r in gpu if "needs device cuda" not in r[3]}
     assert named == {("te", "window-softcap"), ("torch_varlen", "window-softcap"), ("flash", "mla-192-128"),
-                     ("torch_varlen", "mla-192-128")}  # fmt: skip
+                     ("torch_varlen", "mla-192-128"), ("te", "sinks-gqa"), ("torch_varlen", "sinks-gqa")}  # fmt: skip
     report = json.loads(path.read_text())
     assert report["sections"] == dict.fromkeys(("parity", "tflops", "overhead", "exchange"), "done")
     assert len(report["rows"]) == len(rows) + 3 and report["stopped"] is None
@@ -86,7 +86,7 @@ def test_failing_rows_become_rows_and_every_section_is_printed(monkeypatch, tmp_
     for section in ("parity", "tflops", "overhead", "exchange"):
         assert f"\n{section}:\n| section |" in out and f"\n{section}: " in out  # table header, summary line
     parity = _table(out, "parity")
-    assert len(parity) == 6 * 6 * 2  # every kernel x case x dtype has its row
+    assert len(parity) == 6 * 7 * 2  # every kernel x case x dtype has its row
     first_flash = next(r for r in parity if r[0] == "flash")
     assert first_flash[3] == "error: RuntimeError: CUDA error: an illegal memory access was encountered"
     lost = "skip: CUDA context lost at parity/flash/bf16/straddle; rerun with --sections"

@@ -285,7 +285,8 @@ class _CausalBlocks:
         ]
         if len(grads) == 1:
             return grads[0]
-        return grads[0][0] + grads[1][0], *(torch.cat([g[i] for g in grads], dim=2) for i in (1, 2))
+        # token-major key gradients (rows.py): the received keys' share then reaches the exchange without a copy
+        return grads[0][0] + grads[1][0], *(cat_rows([g[i] for g in grads]) for i in (1, 2))
 
 
 def _block_keys(k: torch.Tensor, v: torch.Tensor, block: _KeyBlock) -> tuple[torch.Tensor, torch.Tensor]:

@@ -373,12 +373,14 @@ def wait(token: torch.Tensor, op: ExchangeOp) -> torch.Tensor:
 # Where a run of a group's packed keys comes from: (from the received rows?, start, length). Local
 # runs start at a local row; received runs at a row of the received buffer.
 KeySource = tuple[bool, int, int]
-# The same run as whole chunks of its buffer: (from the received rows?, first chunk, end chunk).
+# The same run as pieces of its buffer: (from the received rows?, first piece, end piece). Local pieces
+# are row views (one per distinct span read); received pieces are chunks of one split.
 ChunkRun = tuple[bool, int, int]
 
 
 def _cuts(length: int, runs: Sequence[tuple[int, int]]) -> tuple[tuple[int, ...], dict[int, int]]:
-    """Chunk sizes partitioning ``[0, length)`` at every run's ends, and each cut point's chunk index.
+    """Chunk sizes partitioning ``[0, length)`` (the received rows) at every run's ends, and each cut point's
+    chunk index.
 
     Taking runs as whole chunks of one ``split`` (instead of one slice each)
     matters in backward: autograd fills a buffer-sized zero gradient for every
@@ -392,18 +394,21 @@ def _cuts(length: int, runs: Sequence[tuple[int, int]]) -> tuple[tuple[int, ...]
 class Route:
     """How this step's layers get their keys, fixed on the first call and reused by every layer.
 
-    Every buffer a call reads from (its local keys, the received rows) is split once
-    into chunks; a group's packed keys are a concatenation of whole chunks.
+    The local keys are read as row views (:func:`~.rows.row_views`: one per distinct span, adjacent
+    runs of a group joined, so a group of adjacent local keys is a view, not a copy; their gradients
+    land in one buffer); the received rows are split once into chunks. A group's packed keys are a
+    concatenation of such pieces (none when it reads one).
 
     Attributes:
         path: ``allgather``, ``halo``, ``a2a``, ``ulysses`` or ``ulysses+*`` (no K/V route: heads move; a
             hybrid's sequence part has its own route).
         reason: Why this path.
         plan: The replicated needed-only plan (``None`` for ``allgather``).
-        local_cuts: Chunk sizes of the local ``L`` rows.
+        local_spans: ``(start, length)`` of each local row view.
         received_cuts: Chunk sizes of the received rows.
-        sources: Per attention group, its packed keys as runs of chunks, in packed order.
-        send_chunks: Local chunks sent, in send order (``None``: all ``L`` rows, ``allgather``).
+        sources: Per attention group, its packed keys as runs of pieces, in packed order.
+        send_chunks: Local views sent, in send order (an empty view when nothing is sent; ``None``:
+            all ``L`` rows, ``allgather``).
         send_counts: Rows sent to each rank.
         recv_counts: Rows received from each rank.
         received_tokens: Rows this rank receives (``allgather``: the ``S_full - L`` others').
@@ -412,7 +417,7 @@ class Route:
     path: str
     reason: str
     plan: KVPlan | None
-    local_cuts: tuple[int, ...]
+    local_spans: tuple[Span, ...]
     received_cuts: tuple[int, ...]
     sources: tuple[tuple[ChunkRun, ...], ...]
     send_chunks: tuple[int, ...] | None
@@ -474,14 +479,27 @@ def key_sources(
     return tuple(sources)
 
 
+def _joined(sources: Sequence[KeySource]) -> list[KeySource]:
+    """``sources`` with each run that continues the previous one in the same buffer joined to it."""
+    out: list[KeySource] = []
+    for received, start, n in sources:
+        if out and out[-1][0] == received and out[-1][1] + out[-1][2] == start:
+            out[-1] = (received, out[-1][1], out[-1][2] + n)
+        else:
+            out.append((received, start, n))
+    return out
+
+
 def _chunk_runs(
-    sources: tuple[KeySource, ...], local_index: dict[int, int], received_index: dict[int, int]
+    sources: tuple[KeySource, ...], local_index: dict[Span, int], received_index: dict[int, int]
 ) -> tuple[ChunkRun, ...]:
-    """``sources`` as runs of whole chunks, adjacent runs of one buffer joined."""
+    """``sources`` (joined) as runs of pieces: one local view each, or whole received chunks (adjacent joined)."""
     out: list[ChunkRun] = []
     for received, start, n in sources:
-        index = received_index if received else local_index
-        first, stop = index[start], index[start + n]
+        if not received:
+            out.append((False, local_index[(start, n)], local_index[(start, n)] + 1))
+            continue
+        first, stop = received_index[start], received_index[start + n]
         if out and out[-1][0] == received and out[-1][2] == first:
             out[-1] = (received, out[-1][1], stop)
         else:
@@ -499,11 +517,11 @@ def make_route(
     local_len: int,
 ) -> Route:
     """Everything the layers of a step need to exchange and assemble keys along ``path`` (host work, once)."""
-    if path.startswith("ulysses"):  # heads travel (ulysses.py, hybrid.py: its own route): local chunks stay whole
-        return Route(path, reason, None, (local_len,), (), (), (), (0,) * world, (0,) * world, 0)
+    if path.startswith("ulysses"):  # heads travel (ulysses.py, hybrid.py: its own route): local rows stay whole
+        return Route(path, reason, None, ((0, local_len),), (), (), (), (0,) * world, (0,) * world, 0)
     if path != "allgather" and plan is None:
         raise ValueError(f"kv_exchange path {path!r} needs an exchange plan")
-    sources = [key_sources(ranges, path, rank, local_len, plan) for ranges in group_ranges]
+    sources = [tuple(_joined(key_sources(ranges, path, rank, local_len, plan))) for ranges in group_ranges]
     if path == "allgather":
         per_dst: list[list[Span]] = [[] for _ in range(world)]
         recv_counts = send_counts = (local_len,) * world
@@ -515,20 +533,19 @@ def make_route(
         recv_counts = tuple(plan.recv_count(rank, src) for src in range(world))
         send_counts = tuple(sum(n for _, n in spans) for spans in per_dst)
         received_len = sum(recv_counts)
-    sends = [span for spans in per_dst for span in spans]
-    local_runs = [(s, n) for group in sources for received, s, n in group if not received] + sends
-    local_cuts, local_index = _cuts(local_len, local_runs)
+    # what is sent, as few views as possible (an empty one when nothing is: the buffer stays in the graph)
+    sends = [(s, n) for _, s, n in _joined([(False, s, n) for spans in per_dst for s, n in spans])] or [(0, 0)]
+    local_runs = [(s, n) for group in sources for received, s, n in group if not received]
+    local_index = {span: i for i, span in enumerate(dict.fromkeys(local_runs + sends))}
     received_cuts, received_index = _cuts(received_len, [(s, n) for g in sources for r, s, n in g if r])
     return Route(
         path=path,
         reason=reason,
         plan=plan,
-        local_cuts=local_cuts,
+        local_spans=tuple(local_index),
         received_cuts=received_cuts,
         sources=tuple(_chunk_runs(group, local_index, received_index) for group in sources),
-        send_chunks=None
-        if path == "allgather"
-        else tuple(i for s, n in sends for i in range(local_index[s], local_index[s + n])),
+        send_chunks=None if path == "allgather" else tuple(local_index[span] for span in sends),
         send_counts=send_counts,
         recv_counts=recv_counts,
         received_tokens=received_len - local_len if path == "allgather" else received_len,
@@ -543,37 +560,48 @@ def send_buffer(
 ) -> torch.Tensor:
     """Fused token-major rows to send: ``[T, F]`` from ``key [1, Hkv, L, Dk]`` and ``value [1, Hkv, L, Dv]``.
 
-    ``chunks`` are the key and value chunks of the route's local split, ``send``
-    the chunks to send, in order (``None``: all ``L`` rows).
+    ``chunks`` are the key and value row views of the route (:attr:`Route.local_spans`), ``send``
+    the views to send, in order (``None``: all ``L`` rows). Nothing to send is one empty view: the
+    buffer stays in the graph (its backward receives) and its gradient costs no bytes.
     """
     parts = []
     for whole, pieces in zip((key, value), chunks):
-        if send is None:
-            picked = whole
-        elif not send:  # nothing to send, but the buffer must stay in the graph: its backward receives
-            picked = min(pieces, key=lambda c: c.shape[2])[:, :, :0]  # its zero gradient: the smallest chunk's
-        else:
-            picked = cat_rows([pieces[i] for i in send])
+        picked = whole if send is None else cat_rows([pieces[i] for i in send])
         parts.append(picked.squeeze(0).transpose(0, 1))  # [T, Hkv, D]: a view (also in backward: no select)
     if key.shape[3] == value.shape[3]:
         return torch.cat(parts, dim=1).flatten(1)
     return torch.cat([t.flatten(1) for t in parts], dim=1)
 
 
-def split_received(
-    received: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cuts: tuple[int, ...]
-) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+@dataclass(frozen=True)
+class Received:
+    """The received rows ``[R, F]`` split once: key and value chunks ``[1, Hkv, n, D]`` and an anchor.
+
+    Attributes:
+        keys: Key chunks, in ``cuts`` order (views).
+        values: Value chunks (views).
+        anchor: ``[R, 0]``, an empty piece of the same split: it keeps the exchange in the graph
+            (:func:`anchor_like`) at no cost, where a slice of the rows would get a zero-filled
+            ``[R, F]`` gradient, added to the real one.
+    """
+
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+    anchor: torch.Tensor
+
+
+def split_received(received: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cuts: tuple[int, ...]) -> Received:
     """The received rows ``[R, F]`` as key and value chunks ``[1, Hkv, n, D]`` (views, split once at ``cuts``)."""
     heads, key_dim = key.shape[1], key.shape[3]
     # one split per axis (autograd joins a split's gradients once; each slice would get a zero-filled buffer),
     # along tokens first, so the chunks' gradients join into token-major rows like the buffer's
-    keys, values = received.split([heads * key_dim, heads * value.shape[3]], dim=1)
+    keys, values, anchor = received.split([heads * key_dim, heads * value.shape[3], 0], dim=1)
 
     def chunks(rows: torch.Tensor, dim: int) -> tuple[torch.Tensor, ...]:
         pieces = (rows,) if len(cuts) == 1 else rows.split(cuts, dim=0)
         return tuple(c.unflatten(1, (heads, dim)).transpose(0, 1).unsqueeze(0) for c in pieces)
 
-    return chunks(keys, key_dim), chunks(values, value.shape[3])
+    return Received(chunks(keys, key_dim), chunks(values, value.shape[3]), anchor)
 
 
 def assemble(
@@ -596,5 +624,7 @@ def anchor_like(heads: int, dim: int, received: torch.Tensor) -> torch.Tensor:
 
     Concatenated into the output it keeps the exchange in the graph, so its
     backward runs on every rank (also one whose groups need nothing received).
+    Its gradient is a zero-filled tensor of ``received``'s shape: pass :attr:`Received.anchor`
+    (no bytes) when the rows were split.
     """
     return received[:0, :1].reshape(1, 1, 0, 1).expand(1, heads, 0, dim)

@@ -865,7 +865,7 @@ def fa3_gaps(fa3: Fa3Facts) -> dict[str, str]:
     ``DISABLE_LOCAL``/``DISABLE_SOFTCAP`` turn either into a runtime error.
     """
     gaps: dict[str, str] = {}
-    if fa3.lse is None:  # no native sink input (hopper/ has none): sinks rescale the output of the private pair
+    if fa3.problem is None and fa3.lse is None:  # hopper/ has no sink input: sinks rescale the private pair's out
         gaps["sinks"] = f"attention sinks need FlashAttention-3's private forward/backward pair: {fa3.lse_problem}"
     disabled = fa3.disabled or frozenset()
     for kind, parameter, flag in (("window", "window_size", "LOCAL"), ("softcap", "softcap", "SOFTCAP")):

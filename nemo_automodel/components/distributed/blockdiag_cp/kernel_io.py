@@ -39,15 +39,6 @@ def packed(x: torch.Tensor) -> torch.Tensor:
     return tokens(x).contiguous()
 
 
-def chunks(x: torch.Tensor, cuts: Sequence[int]) -> tuple[torch.Tensor, ...]:
-    """``x [1, H, L, D]`` split at ``cuts`` rows into ``[1, H, n, D]`` views, split token-major.
-
-    Same values as ``x.split(cuts, dim=2)``; the split's backward (the gradient's one copy)
-    then writes a token-major ``[L, H, D]`` gradient, the layout of the model's projections.
-    """
-    return tuple(c.transpose(0, 1).unsqueeze(0) for c in tokens(x).split(list(cuts), dim=0))
-
-
 def query_parts(
     query: torch.Tensor, rows: Sequence[Rows], n_real: int, layout: KernelLayout
 ) -> tuple[list[torch.Tensor], torch.Tensor]:

@@ -49,6 +49,7 @@ from nemo_automodel.components.distributed.blockdiag_cp.exchange import Exchange
 from nemo_automodel.components.distributed.blockdiag_cp.logs import log_once
 from nemo_automodel.components.distributed.blockdiag_cp.metadata import AttentionGroup, WindowPlan, build_window_plan
 from nemo_automodel.components.distributed.blockdiag_cp.options import SEQUENCE_PART
+from nemo_automodel.components.distributed.blockdiag_cp.rows import row_views
 from nemo_automodel.components.distributed.blockdiag_cp.state import RowState
 from nemo_automodel.components.distributed.blockdiag_cp.topology import GroupHosts
 from nemo_automodel.components.distributed.blockdiag_cp.variant import PLAIN, AttentionVariant, PlanKey, plan_key
@@ -403,7 +404,7 @@ def _attend(
         ``[1, Hq, L, Dv]`` in local row order (a view of a token-major buffer); padding rows are zero.
     """
     layout = kernels.KERNELS[call.kernel].layout
-    local = (kernel_io.chunks(key, route.local_cuts), kernel_io.chunks(value, route.local_cuts))
+    local = (row_views(key, route.local_spans), row_views(value, route.local_spans))
     op: ExchangeOp | None = None
     token = received = None
     if state.cp_size > 1:
@@ -413,7 +414,7 @@ def _attend(
         state.cache.posted[id(op)] = op  # a recompute may stop before the wait: the send must still complete
         if not state.options.overlap:
             received = exchange.wait(token, op)
-    remote: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None
+    remote: exchange.Received | None = None
     rows = [group.rows for group in plan.groups]
     queries, padding = kernel_io.query_parts(query, rows, plan.segments.n_real, layout)
     outputs = []
@@ -422,8 +423,8 @@ def _attend(
             received = received if received is not None else exchange.wait(token, op)
             remote = exchange.split_received(received, key, value, route.received_cuts)
         k, v = (
-            kernel_io.pack_keys(exchange.chunks_in_order(mine, None if remote is None else remote[i], runs), layout)
-            for i, mine in enumerate(local)
+            kernel_io.pack_keys(exchange.chunks_in_order(mine, theirs, runs), layout)
+            for mine, theirs in zip(local, (None, None) if remote is None else (remote.keys, remote.values))
         )
         outputs.append(_run_group(group, q, k, v, call))
     if op is not None and received is None:
@@ -435,7 +436,7 @@ def _attend(
     # (an empty padding slice is left out: its zero gradient would cost a query-sized zero fill and sum)
     deps = [
         *([padding] if padding.shape[2] or not outputs else []),
-        *([] if received is None else [exchange.anchor_like(1, 1, received)]),
+        *([] if received is None else [exchange.anchor_like(1, 1, received if remote is None else remote.anchor)]),
         *call.variant.tensors,
     ]
     shape = (query.shape[2], query.shape[1], value.shape[3])
