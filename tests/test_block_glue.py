@@ -2,8 +2,8 @@
 
 A count, not a timing (:mod:`nemo_automodel.testing.glue`): W8K's documents and heads scaled to a
 2048-token row, 2 ranks, one forward + backward. The budget is what the code writes now plus 2 %;
-the code before the key-gradient buffer (``rows.row_views``), the exchange's empty-piece anchor and
-the token-major block gradients wrote 5-13 % more on every rank and fails it on all four.
+the code before the key-gradient buffer (``rows.row_views``), the exchange's empty-piece anchor, the
+token-major block gradients and the in-place block merge wrote 9-16 % more on every rank and fails it on all four.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ SEQ_LEN = 2048
 
 # KiB of glue per rank (rank 0, rank 1); measured + 2 %
 BUDGET_KIB = {
-    ("contiguous", "halo"): (23052, 26889),  # measured 22600 / 26361; before 24648 / 28351
-    ("balanced", "a2a"): (30850, 27320),  # measured 30245 / 26784; before 34167 / 28204
+    ("contiguous", "halo"): (23052, 25966),  # measured 22600 / 25457; before 24648 / 28351
+    ("balanced", "a2a"): (30083, 25790),  # measured 29493 / 25284; before 34167 / 28204
 }
 
 

@@ -431,7 +431,10 @@ def _merge_blocks(parts: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.d
     if len(parts) == 1:
         return parts[0][0].to(dtype), parts[0][1]
     lse = torch.stack([lse for _, lse in parts]).logsumexp(dim=0)
-    out = sum(torch.exp(part_lse - lse).unsqueeze(-1) * part for part, part_lse in parts)
+    weights = [torch.exp(part_lse - lse).unsqueeze(-1) for _, part_lse in parts]
+    out = parts[0][0] * weights[0]  # then accumulated in place: one output-sized write per further block
+    for (part, _), weight in zip(parts[1:], weights[1:]):
+        out.addcmul_(part, weight)
     return out.to(dtype), lse
 
 
@@ -526,14 +529,8 @@ class _SoftcapTiles:
     scale: float | None
 
     def _tiles(self, q: torch.Tensor, k: torch.Tensor) -> Iterator[tuple[int, int, int, int]]:
-        """``(first row, stop row, first key, stop key)`` of each row tile."""
-        q_len, k_len = q.shape[2], k.shape[2]
-        prefix = k_len - q_len
-        span = k_len if self.window is None else min(k_len, self.window - 1 + _SOFTCAP_TILE_ROWS)
-        rows = max(1, min(q_len, _SOFTCAP_TILE_ROWS, _MASK_BUDGET // (q.shape[0] * q.shape[1] * span)))
-        for a in range(0, q_len, rows):
-            b = min(q_len, a + rows)
-            yield a, b, 0 if self.window is None else max(0, prefix + a - self.window + 1), prefix + b
+        """:func:`_row_tiles` of ``q``'s rows; a tile's scores hold every batch entry and head of its rows."""
+        return _row_tiles(q.shape[2], k.shape[2], self.window, _SOFTCAP_TILE_ROWS, q.shape[0] * q.shape[1])
 
     def _tanh_scores(self, q: torch.Tensor, k: torch.Tensor, tile: tuple[int, int, int, int]) -> torch.Tensor:
         """``tanh(scale * q k^T / c)`` of one tile: ``[N, Hkv, Hq / Hkv * rows, keys]``."""
@@ -609,6 +606,29 @@ class _SoftcapTiles:
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def _tile_span(k_len: int, window: int | None, max_rows: int) -> int:
+    """Keys a row tile of at most ``max_rows`` rows reads, at most (all ``k_len`` without a window)."""
+    return k_len if window is None else min(k_len, window - 1 + max_rows)
+
+
+def _row_tiles(
+    q_len: int, k_len: int, window: int | None, max_rows: int, row_elements: int
+) -> Iterator[tuple[int, int, int, int]]:
+    """``(first row, stop row, first key, stop key)`` of the row tiles of a bottom-right segment.
+
+    The segment's ``q_len`` rows are the last of its ``k_len`` keys: row ``i`` sees keys
+    ``(k_len - q_len + i - window, k_len - q_len + i]`` (``window=None``: from key 0). Each tile reads only
+    the keys its rows see and has at most ``max_rows`` rows and ``_MASK_BUDGET`` score (or mask) elements,
+    ``row_elements`` per row and key (the batch entries and heads that share its rows). Shared by the
+    soft-cap tiles (:class:`_SoftcapTiles`) and the masked fallback (:func:`_masked_tiles`).
+    """
+    prefix = k_len - q_len
+    rows = max(1, min(q_len, max_rows, _MASK_BUDGET // (row_elements * _tile_span(k_len, window, max_rows))))
+    for a in range(0, q_len, rows):
+        b = min(q_len, a + rows)
+        yield a, b, 0 if window is None else max(0, prefix + a - window + 1), prefix + b
+
+
 def _lse_kernel(
     q: torch.Tensor,
     v: torch.Tensor,
@@ -652,9 +672,7 @@ def _masked_tiles(
     """
     q_len, k_len = q.shape[2], k.shape[2]
     prefix = k_len - q_len
-    span = k_len if window is None else min(k_len, window - 1 + _TILE_ROWS)  # keys a tile reads, at most
-    rows = max(1, min(q_len, _TILE_ROWS, _MASK_BUDGET // span))
-    recompute = torch.is_grad_enabled() and q_len * span > _MASK_BUDGET
+    recompute = torch.is_grad_enabled() and q_len * _tile_span(k_len, window, _TILE_ROWS) > _MASK_BUDGET
     explicit = variant.scores_changed
 
     def tile(
@@ -678,10 +696,8 @@ def _masked_tiles(
         )
 
     outs = []
-    for a in range(0, q_len, rows):
-        b = min(q_len, a + rows)
-        lo = 0 if window is None else max(0, prefix + a - window + 1)
-        args = (q[:, :, a:b], k[:, :, lo : prefix + b], v[:, :, lo : prefix + b], a, lo)
+    for a, b, lo, hi in _row_tiles(q_len, k_len, window, _TILE_ROWS, 1):  # a mask is one [rows, keys] matrix
+        args = (q[:, :, a:b], k[:, :, lo:hi], v[:, :, lo:hi], a, lo)
         outs.append(checkpoint(tile, *args, use_reentrant=False) if recompute else tile(*args))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 

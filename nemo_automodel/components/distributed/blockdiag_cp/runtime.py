@@ -411,7 +411,6 @@ def _attend(
         op = route.new_op(state.group, state.cp_rank, state.cp_size)
         op.after_backward = functools.partial(_after_backward, state, call.recorder, query.device)
         token = exchange.post(exchange.send_buffer(key, value, local, route.send_chunks), op)
-        state.cache.posted[id(op)] = op  # a recompute may stop before the wait: the send must still complete
         if not state.options.overlap:
             received = exchange.wait(token, op)
     remote: exchange.Received | None = None
@@ -429,8 +428,6 @@ def _attend(
         outputs.append(_run_group(group, q, k, v, call))
     if op is not None and received is None:
         received = exchange.wait(token, op)
-    if op is not None:
-        del state.cache.posted[id(op)]  # waited: nothing in flight is lost when the op dies with its graph
     # kept in the graph with zero gradients: the padding queries (every rank's query gets a gradient), the
     # exchange (its backward runs on every rank, also one whose groups need nothing received) and the sinks
     # (an empty padding slice is left out: its zero gradient would cost a query-sized zero fill and sum)

@@ -19,7 +19,6 @@ from nemo_automodel.components.distributed.blockdiag_cp.options import CPOptions
 
 if TYPE_CHECKING:
     from nemo_automodel.components.distributed.blockdiag_cp.cost import Shape
-    from nemo_automodel.components.distributed.blockdiag_cp.exchange import ExchangeOp
     from nemo_automodel.components.distributed.blockdiag_cp.gpu_libraries import GpuLibraries
     from nemo_automodel.components.distributed.blockdiag_cp.heads import HeadExchange, RowPlan
     from nemo_automodel.components.distributed.blockdiag_cp.layout import ShardPlan
@@ -100,10 +99,6 @@ class RowCache:
         ulysses: Per (window or chunk, Hq, Hkv), the head-parallel plan of ``kv_exchange="ulysses"``.
         hybrid: Per hybrid path, its sequence part's row state (built at its first call).
         hybrid_heads: Per (Hq, Hkv), the hybrid's head-group all-to-all plan.
-        posted: Exchange ops posted but not yet waited, by ``id``, kept alive until the row ends. Non-reentrant
-            checkpointing stops a recompute once its saved tensors are back, which can be before the op's wait
-            on a rank whose groups need nothing received; dropping the op then would drop its send in flight,
-            and its peer would wait forever. A waited op leaves this table (it dies with its graph).
     """
 
     windows: dict[PlanKey, WindowPlan] = field(default_factory=dict)
@@ -114,7 +109,6 @@ class RowCache:
     ulysses: dict[tuple[PlanKey, int, int], RowPlan] = field(default_factory=dict)
     hybrid: dict[str, RowState] = field(default_factory=dict)
     hybrid_heads: dict[tuple[int, int], HeadExchange] = field(default_factory=dict)
-    posted: dict[int, ExchangeOp] = field(default_factory=dict)
 
 
 @dataclass
