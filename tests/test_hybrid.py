@@ -162,3 +162,27 @@ def test_model_family_matches_unpacked_eager_at_cp4(pools):
         failures += [f"{name}: {p}" for found in problems.values() for p in found]
         failures += [f"{name}: path {r[i]['path']}" for r in results for i in range(2) if r[i]["path"] != cases[i][1]]
     assert not failures, "\n".join(map(str, failures))
+
+
+def _subgroups_of_fresh_groups() -> list[tuple[float | None, bool]]:
+    """Pool task: sub-groups for two fresh CP groups of the same ranks (the second after the first is gone)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    seen = []
+    for seconds in (7, 11):
+        group = dist.new_group(timeout=timedelta(seconds=seconds))
+        groups = hybrid.build_groups(group, dist.get_rank(), 2, None)
+        again = hybrid.build_groups(group, dist.get_rank(), 2, None)
+        timeouts = {hybrid.group_timeout(g) for g in (groups.head_group, groups.sequence_group)}
+        same = again.head_group is groups.head_group
+        seen.append((timeouts.pop().total_seconds() if len(timeouts) == 1 else None, same))
+        dist.destroy_process_group(group)
+    return seen
+
+
+def test_sub_groups_belong_to_their_cp_group_and_share_its_timeout(pools):
+    """A new CP group of the same ranks gets new sub-groups (not a destroyed group's), each with its timeout."""
+    results = pools.get(4).run_ok(_subgroups_of_fresh_groups, timeout=90)
+    assert results == [[(7.0, True), (11.0, True)]] * 4, results

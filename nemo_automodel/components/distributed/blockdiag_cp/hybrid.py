@@ -20,6 +20,8 @@ inside an attention call) and reused by every later row of the same CP ranks.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
@@ -66,27 +68,45 @@ def degree(options: CPOptions, cp: int, hosts: GroupHosts | None) -> int | None:
     return None
 
 
-# Sub-groups per (CP group's global ranks, h): created once, by their members only, reused by every row.
-_SUBGROUPS: dict[tuple[tuple[int, ...], int], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+# Sub-groups per (CP group's global ranks, h), with the CP group they were made for: created once, by their
+# members only, reused by every row; a new CP group of the same ranks (a fresh mesh after another was destroyed)
+# gets its own, so none outlives the group it serves.
+_SUBGROUPS: dict[tuple[tuple[int, ...], int], tuple[dist.ProcessGroup, dist.ProcessGroup, dist.ProcessGroup]] = {}
+
+
+def group_timeout(group: dist.ProcessGroup) -> timedelta | None:
+    """``group``'s own collective timeout, for its sub-groups (``None``: not readable, torch's default applies).
+
+    Without it a sub-group would wait torch's default (30 min on gloo) where its CP group errors after
+    ``dist.pg_timeout_s``. c10d exposes it only on the backend's private options: guarded.
+    """
+    device = torch.device("cuda" if "nccl" in str(dist.get_backend(group)) else "cpu")
+    try:
+        timeout = group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+    return timeout if isinstance(timeout, timedelta) else None
 
 
 def build_groups(group: dist.ProcessGroup, cp_rank: int, h: int, hosts: GroupHosts | None) -> HybridGroups:
     """This rank's head and sequence groups of ``group`` factored as ``h x cp/h`` (a collective the first time).
 
     Each rank creates its own two groups, head group first (``use_local_synchronization``: only the members
-    of a group take part in its creation, so the other CP groups of the world need not join).
+    of a group take part in its creation, so the other CP groups of the world need not join), with
+    ``group``'s timeout.
     """
     ranks = tuple(dist.get_process_group_ranks(group))
     cp = len(ranks)
     g, j = divmod(cp_rank, h)
     head_ranks = [ranks[g * h + i] for i in range(h)]
     sequence_ranks = [ranks[t * h + j] for t in range(cp // h)]
-    if (ranks, h) not in _SUBGROUPS:
-        backend = dist.get_backend(group)
-        head = dist.new_group(head_ranks, backend=backend, use_local_synchronization=True)
-        sequence = dist.new_group(sequence_ranks, backend=backend, use_local_synchronization=True)
-        _SUBGROUPS[ranks, h] = (head, sequence)
-    head, sequence = _SUBGROUPS[ranks, h]
+    cached = _SUBGROUPS.get((ranks, h))
+    if cached is None or cached[0] is not group:
+        backend, timeout = dist.get_backend(group), group_timeout(group)
+        head = dist.new_group(head_ranks, timeout=timeout, backend=backend, use_local_synchronization=True)
+        sequence = dist.new_group(sequence_ranks, timeout=timeout, backend=backend, use_local_synchronization=True)
+        _SUBGROUPS[ranks, h] = (group, head, sequence)
+    _, head, sequence = _SUBGROUPS[ranks, h]
     sequence_hosts = hosts.subgroup(sequence_ranks) if hosts is not None else None
     return HybridGroups(h, cp // h, head, sequence, j, g, sequence_hosts)
 
