@@ -26,6 +26,7 @@ Usage::
     python benchmarks/cp_attention.py --workload DOC131K --combos contiguous:halo:sdpa_varlen,balanced:a2a:sdpa_varlen
     python benchmarks/cp_attention.py --workload V8K --variants --rounds 3   # sinks, soft-cap, window vs plain
     python benchmarks/cp_attention.py --workload W8K --paths --rounds 3      # every K/V path and auto, bytes
+    python benchmarks/cp_attention.py --workload W8K --paths --cp 4 --iters 1  # + the heads x sequence hybrids
 """
 
 from __future__ import annotations
@@ -284,7 +285,7 @@ def _worker(
         "attn_backend": combo.backend,
         "kv_tokens_received": shard.padded_seq_len - shard.local_len,
     }
-    if overlap_baseline and row["stats"]["path"] != "ulysses":  # ulysses moves heads: no K/V exchange to time alone
+    if overlap_baseline and not row["stats"]["path"].startswith("ulysses"):  # heads move: no K/V exchange alone
         row["exchange_s"] = _exchange_alone(ctx, work, shard.local_len, row["stats"]["path"])
     if efficiency and not upstream:
         with ctx() as st:
@@ -303,8 +304,11 @@ def _slowest(ranks: list[dict[str, Any]], key: str) -> list[float]:
 
 
 def _bytes_received(stats: dict[str, Any]) -> int | None:
-    """Bytes one forward receives on a rank: K/V for the key exchanges; q/k/v and the output under ulysses."""
-    heads = stats.get("ulysses")
+    """Bytes one forward receives on a rank: K/V for the key exchanges; q/k/v and the output under ulysses;
+    the head group's all-to-alls plus the sequence group's K/V under a hybrid."""
+    heads, hybrid = stats.get("ulysses"), stats.get("hybrid")
+    if hybrid:
+        return hybrid["heads_bytes_received"] + hybrid["sequence_bytes_received"]
     return heads["bytes_received"] if heads else stats.get("kv_bytes_received")
 
 
@@ -458,6 +462,10 @@ PATH_COMBOS = tuple(
         "auto:auto:sdpa_varlen",
     )
 )
+# The heads x sequence hybrids (default factorization), added when the CP size has one (--cp 4 and up).
+HYBRID_COMBOS = tuple(
+    Combo(*c.split(":")) for c in ("contiguous:ulysses+halo:sdpa_varlen", "balanced:ulysses+a2a:sdpa_varlen")
+)
 
 
 def run_paths(work: Workload, combos: list[Combo], threads: int, rounds: int) -> list[dict[str, Any]]:
@@ -550,9 +558,12 @@ def main() -> None:
     parser.add_argument(
         "--rounds", type=int, default=1, help="--variants/--paths: how many times to run every row in turn"
     )
+    parser.add_argument("--cp", type=int, help="CP size (default: the workload's)")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
     work = WORKLOADS[args.workload]
+    if args.cp:
+        work = replace(work, cp=args.cp)
     if args.iters:
         work = replace(work, iters=args.iters)
     if args.window is not None:
@@ -573,7 +584,8 @@ def main() -> None:
                 json.dump(rows, f, indent=2)
         return
     if args.paths:
-        chosen = [Combo(*c.split(":")) for c in args.combos.split(",")] if args.combos else list(PATH_COMBOS)
+        hybrids = list(HYBRID_COMBOS) if any(work.cp % h == 0 for h in range(2, work.cp)) else []
+        chosen = [Combo(*c.split(":")) for c in args.combos.split(",")] if args.combos else [*PATH_COMBOS, *hybrids]
         rows = run_paths(work, chosen, args.threads, args.rounds)
         print(
             f"\nworkload {args.workload}: S={work.seq_len} cp={work.cp} Hq={work.heads} Hkv={work.kv_heads} "

@@ -121,9 +121,9 @@ def _attend_with_shifted_sinks(cases: list[Case]) -> list[dict[str, Any]]:
     """Worker: the ulysses path with each rank's sinks taken one head too far (a broken head split)."""
     real = ulysses._attend_row
 
-    def shifted(plan, rank, kernel, q, k, v, scale, dropout_p, variant, recorder):
-        rolled = dataclasses.replace(variant, sinks=variant.sinks.roll(1))
-        return real(plan, rank, kernel, q, k, v, scale, dropout_p, rolled, recorder)
+    def shifted(plan, rank, call, q, k, v):
+        rolled = dataclasses.replace(call.variant, sinks=call.variant.sinks.roll(1))
+        return real(plan, rank, dataclasses.replace(call, variant=rolled), q, k, v)
 
     ulysses._attend_row = shifted
     try:

@@ -251,6 +251,8 @@ def _exchange_problems(
     paths = {s["path"] for s in stats}
     if paths == {"ulysses"} and case.kv_exchange in ("ulysses", "auto"):
         return _ulysses_problems(case, stats, positions, window, chunk, label)
+    if "+" in case.kv_exchange or any("+" in p for p in paths):  # configured, or auto's pick
+        return _hybrid_problems(case, stats, positions, window, chunk, label)
     requested = case.kv_exchange
     if requested == "auto":  # the cost model may pick any path that can deliver the keys; check that one
         requested = next(iter(paths)) if len(paths) == 1 else "a2a"
@@ -284,6 +286,37 @@ def _ulysses_problems(
     received = [s["kv_tokens_received"] for s in stats]
     if received != want:
         problems.append(f"{label}: ulysses received {received}, expected {want}")
+    bound = expected_exchange(case.doc_ids, positions, "a2a", window, chunk)[1]
+    reported = [s["kv_tokens_lower_bound"] for s in stats]
+    if reported != bound:
+        problems.append(f"{label}: reported lower bound {reported}, expected {bound}")
+    return problems
+
+
+def _hybrid_problems(
+    case: Case,
+    stats: list[dict[str, Any]],
+    positions: list[list[int]],
+    window: int | None,
+    chunk: int | None,
+    label: str,
+) -> list[str]:
+    """``ulysses+*`` calls (default factorization: ``h`` = the largest proper divisor of ``cp``): a rank with a
+    query head receives its head group's other ``(h - 1) L`` rows plus what its sequence group's needed-only
+    exchange over the head groups' unions of rows delivers; the reported lower bound is the plain needed-only one."""
+    cp, local = len(positions), len(positions[0])
+    h = max(d for d in range(2, cp) if cp % d == 0)
+    unions = [[p for rows in positions[g * h : (g + 1) * h] for p in rows] for g in range(cp // h)]
+    paths = {s["path"] for s in stats}
+    path = case.kv_exchange if case.kv_exchange != "auto" else next(iter(paths))
+    sequence = expected_exchange(case.doc_ids, unions, path.split("+")[1], window, chunk)[1]
+    want = [(h - 1) * local + sequence[r // h] if r % h < case.heads[0] else 0 for r in range(cp)]
+    problems = []
+    if paths != {path}:
+        problems.append(f"{label}: paths {[s['path'] for s in stats]}, expected {path}")
+    received = [s["kv_tokens_received"] for s in stats]
+    if received != want:
+        problems.append(f"{label}: hybrid received {received}, expected {want}")
     bound = expected_exchange(case.doc_ids, positions, "a2a", window, chunk)[1]
     reported = [s["kv_tokens_lower_bound"] for s in stats]
     if reported != bound:

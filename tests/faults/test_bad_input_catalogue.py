@@ -126,6 +126,8 @@ BATCH: dict[str, Callable[[], Any]] = {
     "options-overlap": lambda: CPOptions(overlap="yes"),
     "options-consensus": lambda: CPOptions(consensus="often"),
     "options-retired-spelling": lambda: CPOptions(attn_backend="sdpa"),
+    "options-head-parallel-exchange": lambda: CPOptions(kv_exchange="halo", head_parallel=2),
+    "options-head-parallel-value": lambda: CPOptions(kv_exchange="ulysses+halo", head_parallel=1),
 }
 
 
@@ -304,6 +306,9 @@ CORE: dict[str, Callable[[], Any]] = {
     "mesh-not-1d": _two_d_mesh,
     "mesh-group-size": lambda: make_cp_blockdiag_batch_and_ctx(_MismatchedMesh(), None, _row()),
     "ranks-disagree": _disagreeing_rank,
+    "hybrid-factorization": lambda: make_cp_blockdiag_batch_and_ctx(
+        cp_mesh(), None, _row(16), kv_exchange="ulysses+halo"
+    ),
     "cp1-no-attention-modules": lambda: attach_cp1_packed_varlen_hooks(torch.nn.Linear(2, 2)),
     "cp1-hooks-windowed-model": lambda: attach_cp1_packed_varlen_hooks(
         _windowed_model(), attention_features=attention_features(_windowed_model().config).names()
@@ -324,7 +329,7 @@ CORE: dict[str, Callable[[], Any]] = {
     "plan-lib-multiple": lambda: make_shard_plan(doc_runs_from_lengths([5]), 2),
     "plan-lib-layout": lambda: make_shard_plan(doc_runs_from_lengths([6]), 2, "spiral"),
 }
-IN_POOL = {"mesh-not-1d", "mesh-group-size", "ranks-disagree", "launch-run-dir-not-shared"}
+IN_POOL = {"mesh-not-1d", "mesh-group-size", "ranks-disagree", "hybrid-factorization", "launch-run-dir-not-shared"}
 
 
 # ----------------------------------------------------------------------------- recipe

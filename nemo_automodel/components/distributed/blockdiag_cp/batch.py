@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from nemo_automodel.components.distributed.blockdiag_cp import consensus, cost, gpu_libraries, topology
+from nemo_automodel.components.distributed.blockdiag_cp import consensus, cost, gpu_libraries, hybrid, topology
 from nemo_automodel.components.distributed.blockdiag_cp import state as state_module
 from nemo_automodel.components.distributed.blockdiag_cp.layout import (
     DocRuns,
@@ -330,10 +330,19 @@ def _build_row_state(
 ) -> RowState:
     """Precompute everything the attention layers of this row share: no call gathers, probes or syncs.
 
-    The group's hosts (one collective the first time a group is seen, :mod:`.topology`) and the GPU
-    libraries (imported and probed once per process) are looked up here, when every rank builds its row.
+    The group's hosts (one collective the first time a group is seen, :mod:`.topology`), the GPU
+    libraries (imported and probed once per process) and a hybrid's sub-groups (created the first time a
+    group and factorization are seen, :mod:`.hybrid`) are looked up here, when every rank builds its row.
+
+    Raises:
+        ValueError: on every rank, for a ``head_parallel`` that does not factor the CP size.
     """
     cu_cpu = torch.tensor(plan.physical_cu_seqlens(), dtype=torch.int32)
+    hosts = topology.group_hosts(group) if plan.cp > 1 else None
+    groups = None
+    # the hybrid's sub-groups (also auto's candidate factorization): created here, never inside an attention call
+    h = hybrid.degree(options, plan.cp, hosts) if plan.cp > 1 else None
+    groups = hybrid.build_groups(group, rank, h, hosts) if h is not None else None
     return RowState(
         group=group,
         cp_rank=rank,
@@ -345,8 +354,9 @@ def _build_row_state(
         packed_cu_seqlens_cpu=cu_cpu,
         positions=plan.permutation[rank * plan.local_len : (rank + 1) * plan.local_len].to(device),
         options=options,
-        hosts=topology.group_hosts(group) if plan.cp > 1 else None,
+        hosts=hosts,
         libraries=gpu_libraries.probe_gpu_libraries(device),
+        hybrid=groups,
         # The full-attention plan now, so inconsistent metadata fails at batch build; windowed ones at first use.
         cache=state_module.RowCache(windows={None: build_window_plan(plan, rank, None, device)}),
     )

@@ -400,7 +400,8 @@ class Route:
     concatenation of such pieces (none when it reads one).
 
     Attributes:
-        path: ``allgather``, ``halo``, ``a2a`` or ``ulysses`` (no K/V route: :mod:`.ulysses` moves heads).
+        path: ``allgather``, ``halo``, ``a2a``, ``ulysses`` or ``ulysses+*`` (no K/V route: heads move; a
+            hybrid's sequence part has its own route).
         reason: Why this path.
         plan: The replicated needed-only plan (``None`` for ``allgather``).
         local_spans: ``(start, length)`` of each local row view.
@@ -516,7 +517,7 @@ def make_route(
     local_len: int,
 ) -> Route:
     """Everything the layers of a step need to exchange and assemble keys along ``path`` (host work, once)."""
-    if path == "ulysses":  # heads travel, not keys (ulysses.py): every local chunk stays whole
+    if path.startswith("ulysses"):  # heads travel (ulysses.py, hybrid.py: its own route): local rows stay whole
         return Route(path, reason, None, ((0, local_len),), (), (), (), (0,) * world, (0,) * world, 0)
     if path != "allgather" and plan is None:
         raise ValueError(f"kv_exchange path {path!r} needs an exchange plan")

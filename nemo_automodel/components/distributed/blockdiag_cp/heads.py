@@ -26,7 +26,7 @@ from functools import cached_property
 
 import torch
 
-from nemo_automodel.components.distributed.blockdiag_cp.layout import ShardPlan, make_shard_plan
+from nemo_automodel.components.distributed.blockdiag_cp.layout import DocPiece, ShardPlan, make_shard_plan
 from nemo_automodel.components.distributed.blockdiag_cp.metadata import VarlenMeta, build_window_plan
 
 HeadRange = tuple[int, int]
@@ -111,22 +111,51 @@ def split_heads(heads: int, kv_heads: int, cp: int) -> HeadSplit:
 
 
 @dataclass(frozen=True)
+class HeadExchange:
+    """How one rank's all-to-all over a head group swaps its ``L`` rows of every head for ``n L`` rows of some heads.
+
+    Shared by ``ulysses`` (the head group is the whole CP group) and the ``ulysses+*`` hybrids (groups of
+    ``h`` consecutive CP ranks, :mod:`.hybrid`). The received rows arrive in the head group's physical
+    order (member by member); the attention that follows reads them in its own *inner* order.
+
+    Attributes:
+        split: The head split over the head group's ``n`` members.
+        kv_index: Per member, its K/V heads as a ``slice`` (a run without repeats) or an index tensor.
+        to_inner: ``[n L]`` received row of every inner row (``None``: the same order).
+        to_outer: ``[n L]`` inner row of every received row (``None``: the same order).
+    """
+
+    split: HeadSplit
+    kv_index: tuple[slice | torch.Tensor, ...]
+    to_inner: torch.Tensor | None
+    to_outer: torch.Tensor | None
+
+
+def head_exchange(
+    heads: int, kv_heads: int, members: int, to_inner: torch.Tensor | None, device: torch.device | str
+) -> HeadExchange:
+    """The :class:`HeadExchange` of ``heads``/``kv_heads`` over ``members`` ranks, inner order ``to_inner``."""
+    split = split_heads(heads, kv_heads, members)
+    to_inner = None if to_inner is None else to_inner.to(device)
+    to_outer = None if to_inner is None else torch.argsort(to_inner)
+    return HeadExchange(split, tuple(_kv_index(kv, device) for kv in split.kv), to_inner, to_outer)
+
+
+@dataclass(frozen=True)
 class RowPlan:
     """One rank's head-parallel plan for one window or chunk of a packed row (host work once, reused by every layer).
 
     Attributes:
-        split: The head split.
+        exchange: The head all-to-all over the whole CP group; its inner order is the row's original order.
         meta: Kernel metadata of the whole row in its original order (the cp=1 metadata): rows ``[0, S_full)``.
-        to_original: ``[S_full]`` physical row of every original position (``None``: the layout is the identity).
-        to_physical: ``[S_full]`` original position of every physical row (``None``: identity).
-        kv_index: Per rank, its K/V heads as a ``slice`` (a run without repeats) or an index tensor on the device.
     """
 
-    split: HeadSplit
+    exchange: HeadExchange
     meta: VarlenMeta
-    to_original: torch.Tensor | None
-    to_physical: torch.Tensor | None
-    kv_index: tuple[slice | torch.Tensor, ...]
+
+    @property
+    def split(self) -> HeadSplit:
+        return self.exchange.split
 
     @cached_property
     def describe(self) -> str:
@@ -155,10 +184,29 @@ def build_row_plan(
     The metadata is the one a single rank would use for the whole row (the row padded
     to ``S_full``, documents in their original order), so the kernels run exactly as at cp=1.
     """
-    split = split_heads(heads, kv_heads, shard.cp)
     whole = make_shard_plan(shard.runs, 1)
     meta = build_window_plan(whole, 0, window, device, chunk).varlen_meta
-    identity = shard.is_identity
-    to_physical = None if identity else shard.permutation.to(device)
-    to_original = None if identity else torch.argsort(shard.permutation).to(device)
-    return RowPlan(split, meta, to_original, to_physical, tuple(_kv_index(kv, device) for kv in split.kv))
+    to_original = None if shard.is_identity else torch.argsort(shard.permutation)
+    return RowPlan(head_exchange(heads, kv_heads, shard.cp, to_original, device), meta)
+
+
+def _merged(pieces: itertools.chain[DocPiece]) -> tuple[DocPiece, ...]:
+    """``pieces`` in order, a piece that continues the previous one's document joined to it."""
+    out: list[DocPiece] = []
+    for piece in pieces:
+        if out and out[-1].doc == piece.doc and out[-1].stop == piece.start:
+            out[-1] = DocPiece(piece.doc, out[-1].start, piece.stop)
+        else:
+            out.append(piece)
+    return tuple(out)
+
+
+def sequence_plan(shard: ShardPlan, h: int) -> ShardPlan:
+    """``shard`` re-sharded over the sequence part: rank ``g`` holds the real rows of ranks ``[g h, (g + 1) h)``.
+
+    Each rank's padding rows go to the tail of its union (the inner order of :func:`.hybrid.inner_order`).
+    """
+    pieces = tuple(
+        _merged(itertools.chain.from_iterable(shard.pieces[g * h : (g + 1) * h])) for g in range(shard.cp // h)
+    )
+    return ShardPlan(shard.runs, shard.cp // h, h * shard.local_len, shard.layout, pieces)

@@ -18,7 +18,9 @@ from typing import Any, Literal
 from nemo_automodel.components.distributed.blockdiag_cp.cost import Shape
 
 AttnBackend = Literal["auto", "fa3", "flash", "te", "torch_varlen", "sdpa_varlen", "dense"]
-KVExchange = Literal["auto", "allgather", "halo", "a2a", "ulysses"]
+KVExchange = Literal["auto", "allgather", "halo", "a2a", "ulysses", "ulysses+halo", "ulysses+a2a", "ulysses+allgather"]
+# The heads x sequence hybrids (:mod:`.hybrid`) and the exchange of their sequence part.
+SEQUENCE_PART: dict[str, str] = {"ulysses+halo": "halo", "ulysses+a2a": "a2a", "ulysses+allgather": "allgather"}
 Layout = Literal["auto", "contiguous", "balanced"]
 Consensus = Literal["step", "call"]
 
@@ -82,7 +84,10 @@ class CPOptions:
             upgraded to ``a2a`` when some rank needs keys from further left), ``a2a``
             (needed-only all-to-all-v), ``allgather``, ``ulysses`` (head-parallel: an all-to-all
             gives each rank the whole row for a subset of heads, a second one returns the output;
-            TransformerEngine calls this ``a2a``) or ``auto`` (the cost model picks per row).
+            TransformerEngine calls this ``a2a``), ``ulysses+halo`` / ``ulysses+a2a`` / ``ulysses+allgather``
+            (the heads x sequence hybrid: ``ulysses`` inside groups of ``head_parallel`` consecutive ranks,
+            that exchange between the groups; TransformerEngine's ``a2a+p2p``) or ``auto`` (the cost model
+            picks per row).
         layout: How tokens are placed on ranks: ``contiguous`` (rank ``r`` holds rows
             ``[r L, (r+1) L)``), ``balanced`` (documents reordered, a few cut zig-zag, so every
             rank does the same attention work) or ``auto`` (the cost model picks per row).
@@ -95,6 +100,10 @@ class CPOptions:
             direction: names the failing call at once; for debugging).
         allow_cross_node: Keep needed-only exchanges when the CP group spans nodes (default: read from
             ``NEMO_CP_ALLOW_XNODE=1`` when the options are built); otherwise such a group uses all-gather.
+        head_parallel: Head-parallel degree ``h`` of the ``ulysses+*`` hybrids: the CP group factors into
+            groups of ``h`` consecutive ranks that swap heads, times ``cp / h`` ranks that exchange sequence.
+            ``1 < h < cp`` and ``cp % h == 0``, checked when the row is built. ``None``: the ranks of one node
+            when the CP group spans nodes, else the largest proper divisor of ``cp``. Set only with a hybrid.
         attn_shape: The model's attention shape for ``layout=auto``'s cost model (``None``: a generic
             8 x 128 bf16 shape). Set by the caller from its model, not a config value.
     """
@@ -106,6 +115,7 @@ class CPOptions:
     check_finite: bool = False
     consensus: Consensus = "step"
     allow_cross_node: bool = field(default_factory=_allow_cross_node_from_env)
+    head_parallel: int | None = None
     attn_shape: Shape | None = field(default=None, metadata={"config": False})
 
     def __post_init__(self) -> None:
@@ -115,10 +125,24 @@ class CPOptions:
                 object.__setattr__(self, f.name, normalize(f.name, value))
             elif f.type in ("bool", bool) and not isinstance(value, bool):
                 raise ValueError(f"{f.name}: expected True or False, got {value!r}")
+        self._check_head_parallel()
         if self.attn_shape is not None and not isinstance(self.attn_shape, Shape):
             raise ValueError(
                 f"attn_shape: expected blockdiag_cp.cost.Shape(heads, kv_heads, head_dim, elem_bytes) or None, "
                 f"got {type(self.attn_shape).__name__}"
+            )
+
+    def _check_head_parallel(self) -> None:
+        """``head_parallel``: an int of at least 2, and only with a hybrid ``kv_exchange`` (never silently ignored)."""
+        value = self.head_parallel
+        if value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+            raise ValueError(f"head_parallel: expected an integer >= 2 (or None), got {value!r}")
+        if self.kv_exchange not in SEQUENCE_PART:
+            raise ValueError(
+                f"head_parallel={value} applies to the heads x sequence hybrids only, but kv_exchange="
+                f"{self.kv_exchange!r}: set kv_exchange to one of {', '.join(SEQUENCE_PART)}, or drop head_parallel"
             )
 
     def replace(self, **changes: Any) -> CPOptions:

@@ -6,7 +6,7 @@ model, not two). Command line::
 
     python -m nemo_automodel.components.distributed.blockdiag_cp.plan --cp 8 --seq-len 131072 \\
         --doc-lens 30000,2000,1500 [--heads 32 --kv-heads 8 --head-dim 128 --dtype bf16 --device cuda] \\
-        [--window 4096]
+        [--window 4096] [--ranks-per-node 4]
     python -m nemo_automodel.recipes.plan --cp 8 --seq-len 131072 \\
         --data train.jsonl [--data-format text|chat|instruction] [--text-field text] \\
         [--tokenizer /local/hf_tokenizer_dir] [--rows 8]
@@ -21,7 +21,10 @@ Figures per layout and exchange (per CP rank, one attention layer, forward + bac
 K/V tokens and bytes received (max and mean over ranks; ``ulysses``: K/V rows for the
 rank's heads, and every byte of its two all-to-alls, q/k/v and the output), the lower bound
 (needed keys living on other ranks), the balance (max/mean attention work) and
-the predicted step time relative to the best combination. ``--window W`` plans
+the predicted step time relative to the best combination. Next to the four single paths it prints every
+heads x sequence hybrid ``ulysses+P (h x s)`` (``1 < h < cp``, ``cp % h == 0``) with its received bytes
+split per part (head all-to-alls / sequence exchange). ``--ranks-per-node N`` places CP ranks
+``[k N, (k + 1) N)`` on node ``k``: groups that span nodes pay the inter-node link. ``--window W`` plans
 sliding-window layers (transformers' ``sliding_window``): a rank then needs, and
 the needed-only exchanges receive, only the keys within ``W`` of its rows.
 """
@@ -63,6 +66,8 @@ class PlanRow:
     bound_mean: float
     step_s: float
     auto_pick: bool
+    head_bytes_max: int = 0
+    sequence_bytes_max: int = 0
 
 
 def plan_rows(
@@ -72,8 +77,12 @@ def plan_rows(
     machine: cost.Machine,
     layouts: Iterable[str] = LAYOUTS,
     window: int | None = None,
+    nodes: cost.Nodes = None,
 ) -> list[PlanRow]:
-    """Every layout x exchange for one row padded to a multiple of ``2 * cp``, for layers of ``window``."""
+    """Every layout x exchange (the hybrids' factorizations too) for one row padded to a multiple of ``2 * cp``.
+
+    ``nodes``: the node of every CP rank (``None``: one node). The ``auto`` mark is the runtime's pick.
+    """
     runs = runs.padded_to(runs.total_len + (-runs.total_len) % (2 * cp))
     layouts = tuple(layouts)
     # `layout=auto` + `kv_exchange=auto` is one combination: the runtime's layout pick (judged on full-causal
@@ -86,12 +95,13 @@ def plan_rows(
         segments = shard.windowed_segments(window)
         bounds = [seg.remote_kv_tokens for seg in segments]
         work_balance = balance([seg.attention_work for seg in segments])  # windows change the work, too
-        auto, _, costs = cost.choose(shard, kv, shape, machine, window=window)
+        auto = cost.choose_auto(shard, kv, shape, machine, window=window, nodes=nodes)[0].label
+        costs = cost.choose(shard, kv, shape, machine, window=window, nodes=nodes, degrees=cost.hybrid_degrees(cp))[2]
         for c in costs:
             rows.append(
                 PlanRow(
                     layout=layout,
-                    path=c.path,
+                    path=c.label,
                     balance=work_balance,
                     recv_max=max(c.recv_tokens),
                     recv_mean=statistics.fmean(c.recv_tokens),
@@ -99,7 +109,9 @@ def plan_rows(
                     bound_max=max(bounds),
                     bound_mean=statistics.fmean(bounds),
                     step_s=c.step_s,
-                    auto_pick=c.path == auto and layout == (auto_layout or layout),
+                    auto_pick=c.label == auto and layout == (auto_layout or layout),
+                    head_bytes_max=max(c.head_bytes, default=0),
+                    sequence_bytes_max=max(c.sequence_bytes, default=0),
                 )
             )
     return rows
@@ -109,14 +121,15 @@ def format_table(rows: list[PlanRow]) -> str:
     """A markdown table; ``step`` is relative to the best row."""
     best = min(r.step_s for r in rows)
     lines = [
-        "| layout | kv_exchange | balance | KV recv/rank max | mean | MiB recv max | lower bound max | mean "
-        "| predicted step | relative | auto |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| layout | kv_exchange | balance | KV recv/rank max | mean | MiB recv max | heads / sequence MiB "
+        "| lower bound max | mean | predicted step | relative | auto |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        parts = f"{r.head_bytes_max / 2**20:.1f} / {r.sequence_bytes_max / 2**20:.1f}" if "+" in r.path else ""
         lines.append(
             f"| {r.layout} | {r.path} | {r.balance:.3f} | {r.recv_max} | {r.recv_mean:.0f} | "
-            f"{r.bytes_max / 2**20:.1f} | {r.bound_max} | {r.bound_mean:.0f} | {r.step_s * 1e3:.3g} ms | "
+            f"{r.bytes_max / 2**20:.1f} | {parts} | {r.bound_max} | {r.bound_mean:.0f} | {r.step_s * 1e3:.3g} ms | "
             f"{r.step_s / best:.2f}x | {'<-' if r.auto_pick else ''} |"
         )
     return "\n".join(lines)
@@ -208,6 +221,8 @@ def _average(tables: list[list[PlanRow]]) -> list[PlanRow]:
                 bound_mean=statistics.fmean(r.bound_mean for r in group),
                 step_s=statistics.fmean(r.step_s for r in group),
                 auto_pick=len(out) == most,
+                head_bytes_max=max(r.head_bytes_max for r in group),
+                sequence_bytes_max=max(r.sequence_bytes_max for r in group),
             )
         )
     return out
@@ -242,6 +257,11 @@ def main(argv: list[str] | None = None, *, rows_from_data: RowsFromData | None =
     parser.add_argument("--dtype", choices=sorted(_DTYPE_BYTES))
     parser.add_argument("--device", default="cuda", choices=sorted(cost.MACHINES))
     parser.add_argument("--window", type=_positive_int, help="sliding window of the layers to plan (default: full)")
+    parser.add_argument(
+        "--ranks-per-node",
+        type=_positive_int,
+        help="CP ranks per node, consecutive (default: all on one node); groups spanning nodes pay its link",
+    )
     args = parser.parse_args(argv)
     try:
         source = _fill_shape(args)
@@ -262,14 +282,15 @@ def main(argv: list[str] | None = None, *, rows_from_data: RowsFromData | None =
             packed = rows_from_data(args)
         except ValueError as exc:
             parser.error(str(exc))
+    nodes = tuple(r // args.ranks_per_node for r in range(args.cp)) if args.ranks_per_node else None
     tables = [
-        plan_rows(doc_runs_from_lengths(row, args.seq_len), args.cp, shape, machine, window=args.window)
+        plan_rows(doc_runs_from_lengths(row, args.seq_len), args.cp, shape, machine, window=args.window, nodes=nodes)
         for row in packed
     ]
     print(
         f"cp={args.cp} seq_len={args.seq_len} rows={len(tables)} docs/row={statistics.fmean(map(len, packed)):.1f} "
         f"heads={args.heads}/{args.kv_heads} head_dim={args.head_dim} dtype={args.dtype} device={args.device} "
-        f"window={args.window or 'full'} (shape: {source})"
+        f"window={args.window or 'full'} ranks/node={args.ranks_per_node or args.cp} (shape: {source})"
     )
     print(format_table(_average(tables)))
 

@@ -25,7 +25,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -36,16 +36,19 @@ from nemo_automodel.components.distributed.blockdiag_cp import (
     consensus,
     cost,
     exchange,
+    hybrid,
     kernel_io,
     kernels,
     outside,
     ulysses,
 )
 from nemo_automodel.components.distributed.blockdiag_cp import state as state_module
+from nemo_automodel.components.distributed.blockdiag_cp.call import KernelCall
 from nemo_automodel.components.distributed.blockdiag_cp.consensus import CallRecorder, group_size
 from nemo_automodel.components.distributed.blockdiag_cp.exchange import ExchangeOp, KVPlan, Route
 from nemo_automodel.components.distributed.blockdiag_cp.logs import log_once
 from nemo_automodel.components.distributed.blockdiag_cp.metadata import AttentionGroup, WindowPlan, build_window_plan
+from nemo_automodel.components.distributed.blockdiag_cp.options import SEQUENCE_PART
 from nemo_automodel.components.distributed.blockdiag_cp.rows import row_views
 from nemo_automodel.components.distributed.blockdiag_cp.state import RowState
 from nemo_automodel.components.distributed.blockdiag_cp.topology import GroupHosts
@@ -69,7 +72,12 @@ def exchange_stats(state: RowState | None = None) -> dict[str, Any] | None:
         step's time blocked on exchanges: ``exchange_wait_s`` (forward),
         ``exchange_backward_wait_s`` and ``exchange_calls``; ``"ulysses"`` (``kv_exchange="ulysses"`` only, else
         ``None``): this rank's ``query_heads`` ``[start, stop)``, ``kv_heads`` and the ``bytes_sent`` /
-        ``bytes_received`` of one forward (both all-to-alls; the backward moves as much the other way).
+        ``bytes_received`` of one forward (both all-to-alls; the backward moves as much the other way);
+        ``"hybrid"`` (``kv_exchange="ulysses+*"`` only, else ``None``): the factorization ``heads`` x ``sequence``,
+        the ``sequence_path`` taken, this rank's ``query_heads`` / ``kv_heads`` in its head group, and per part
+        the bytes of one forward: ``heads_bytes_sent`` / ``heads_bytes_received`` (both all-to-alls of the head
+        group), ``sequence_kv_tokens_received`` / ``sequence_bytes_received`` (the K/V exchange of the sequence
+        group, for this rank's K/V heads).
     """
     state = state or state_module.last_row_state()
     if state is None or state.stats.path is None:
@@ -95,6 +103,7 @@ def exchange_stats(state: RowState | None = None) -> dict[str, Any] | None:
         "exchange_backward_wait_s": stats.exchange_backward_wait_s,
         "exchange_calls": stats.exchange_calls,
         "ulysses": stats.ulysses,
+        "hybrid": stats.hybrid,
     }
 
 
@@ -169,12 +178,17 @@ def _exchange_path(state: RowState, device: torch.device, key: PlanKey) -> tuple
         return "allgather", None, "kv_exchange=allgather (configured)"
     if kv_exchange == "ulysses":  # a collective like all-gather: kept across nodes, as asked
         return "ulysses", None, "kv_exchange=ulysses (configured): heads travel, not keys"
+    if kv_exchange in SEQUENCE_PART:  # explicit: its sequence part stays needed-only across nodes (hybrid.py)
+        groups = state.hybrid
+        reason = f"kv_exchange={kv_exchange} (configured): heads {groups.heads} x sequence {groups.sequence}"
+        return kv_exchange, None, reason
+    if kv_exchange == "auto":  # the cost model knows the topology (needed-only between nodes only if allowed)
+        kv_plan = _kv_plan(state, key, device)
+        path, reason = _auto_choice(state, kv_plan, device, key)
+        return path, kv_plan if path in ("halo", "a2a") else None, reason
     if _cp_group_spans_nodes(state.hosts, state.options.allow_cross_node):
         return "allgather", None, "CP group spans nodes (set NEMO_CP_ALLOW_XNODE=1 to force needed-only)"
     kv_plan = _kv_plan(state, key, device)
-    if kv_exchange == "auto":
-        path, reason = _auto_choice(state, kv_plan, device, key)
-        return path, kv_plan if path in ("halo", "a2a") else None, reason
     if kv_exchange == "a2a":
         return "a2a", kv_plan, "kv_exchange=a2a (configured)"
     if kv_plan.use_halo:
@@ -188,7 +202,13 @@ def _auto_choice(state: RowState, plan: KVPlan, device: torch.device, key: PlanK
     if memo.auto_choice is None:
         shape = state.cache.shape or cost.Shape()
         machine = cost.machine_for(device)
-        path, reason, _ = cost.choose(memo.shard_plan, plan, shape, machine, state.options.overlap, memo.window)
+        nodes = state.hosts.nodes if state.hosts is not None else None
+        options = state.options
+        best, reason = cost.choose_auto(
+            memo.shard_plan, plan, shape, machine, options.overlap, memo.window, nodes, options.allow_cross_node
+        )
+        path = best.path
+        # the hybrid candidates are those of the row's sub-groups (the same default factorization, batch.py)
         memo.auto_choice = (path, reason)
         # each path's first pick at INFO; mixed rows flip the pick per step, which would flood the log
         if not log_once(
@@ -356,39 +376,24 @@ def _agree_on_rows(
 
 
 def _run_group(
-    group: AttentionGroup,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    kernel: str,
-    recorder: CallRecorder,
-    scale: float | None,
-    dropout_p: float,
-    variant: AttentionVariant,
+    group: AttentionGroup, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, call: KernelCall
 ) -> torch.Tensor:
     """Guarded kernel call on the group's queries and packed keys/values, in the kernel's format."""
 
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *sinks: torch.Tensor) -> torch.Tensor:
-        # the guard hands in its own (detached) sinks: their gradient flows through it
-        call_variant = dataclasses.replace(variant, sinks=sinks[0]) if sinks else variant
-        return kernels.attend_packed(kernel, q, k, v, group.meta, scale, dropout_p, call_variant)
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: AttentionVariant) -> torch.Tensor:
+        return kernels.attend_packed(call.kernel, q, k, v, group.meta, call.scale, call.dropout_p, variant)
 
-    describe = f"kernel={kernel} {group.label}"
-    return consensus.guarded(attend, recorder, describe, query, key, value, *variant.tensors)
+    return call.guarded(run, group.label, query, key, value)
 
 
 def _attend(
     state: RowState,
     plan: WindowPlan,
     route: Route,
-    kernel: str,
+    call: KernelCall,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    scale: float | None,
-    dropout_p: float,
-    variant: AttentionVariant,
-    recorder: CallRecorder,
 ) -> torch.Tensor:
     """Exchange K/V and attend every group; local-key groups run while the exchange is in flight.
 
@@ -398,13 +403,13 @@ def _attend(
     Returns:
         ``[1, Hq, L, Dv]`` in local row order (a view of a token-major buffer); padding rows are zero.
     """
-    layout = kernels.KERNELS[kernel].layout
+    layout = kernels.KERNELS[call.kernel].layout
     local = (row_views(key, route.local_spans), row_views(value, route.local_spans))
     op: ExchangeOp | None = None
     token = received = None
     if state.cp_size > 1:
         op = route.new_op(state.group, state.cp_rank, state.cp_size)
-        op.after_backward = functools.partial(_after_backward, state, recorder, query.device)
+        op.after_backward = functools.partial(_after_backward, state, call.recorder, query.device)
         token = exchange.post(exchange.send_buffer(key, value, local, route.send_chunks), op)
         if not state.options.overlap:
             received = exchange.wait(token, op)
@@ -420,7 +425,7 @@ def _attend(
             kernel_io.pack_keys(exchange.chunks_in_order(mine, theirs, runs), layout)
             for mine, theirs in zip(local, (None, None) if remote is None else (remote.keys, remote.values))
         )
-        outputs.append(_run_group(group, q, k, v, kernel, recorder, scale, dropout_p, variant))
+        outputs.append(_run_group(group, q, k, v, call))
     if op is not None and received is None:
         received = exchange.wait(token, op)
     # kept in the graph with zero gradients: the padding queries (every rank's query gets a gradient), the
@@ -429,15 +434,13 @@ def _attend(
     deps = [
         *([padding] if padding.shape[2] or not outputs else []),
         *([] if received is None else [exchange.anchor_like(1, 1, received if remote is None else remote.anchor)]),
-        *variant.tensors,
+        *call.variant.tensors,
     ]
     shape = (query.shape[2], query.shape[1], value.shape[3])
     out = kernel_io.unpack(outputs, rows, layout, query, shape, *deps)
     if op is not None:
         state.stats.exchange_wait_s += op.wait_s
         state.stats.exchange_calls += 1
-    if state.options.consensus == "call":
-        _settle_call(state, recorder, "forward", query.device)
     if op is not None and consensus.saved_tensor_hooks_active():  # checkpointed: one recompute, same on every rank
         out = exchange.recompute_fence(out)
     return out
@@ -516,34 +519,61 @@ def attend_row(
         raise unavailable
     window_plan = state.cache.windows[variant.plan_key]
     recorder = CallRecorder(state.failures, call)
+    kernel_call = KernelCall(kernel, scale, dropout_p, variant, recorder)
+    _record_stats(state, window_plan, route, kernel, key, value)  # the head paths refine it with what they moved
+    # every path's last backward node settles the call's failures with consensus="call" (_after_backward)
+    after_backward = functools.partial(_after_backward, state, recorder, query.device)
     if route.path == "ulysses":
-        out = _attend_heads(state, kernel, query, key, value, scale, dropout_p, variant, recorder)
+        out = ulysses.attend(state, kernel_call, query, key, value, after_backward)
+    elif route.path in SEQUENCE_PART:
+        out = _attend_hybrid(state, route.path, kernel_call, query, key, value, after_backward)
     else:
-        out = _attend(state, window_plan, route, kernel, query, key, value, scale, dropout_p, variant, recorder)
-    _record_stats(state, window_plan, route, kernel, key, value)
-    if route.path == "ulysses":
-        heads = ulysses.row_plan(state, query, key, variant)
-        ulysses.record_stats(state, heads, variant.plan_key, query.shape[3], value.shape[3], query.element_size())
+        out = _attend(state, window_plan, route, kernel_call, query, key, value)
+    if state.options.consensus == "call":
+        _settle_call(state, recorder, "forward", query.device)
     return out
 
 
-def _attend_heads(
+def _attend_hybrid(
     state: RowState,
-    kernel: str,
+    path: str,
+    call: KernelCall,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    scale: float | None,
-    dropout_p: float,
-    variant: AttentionVariant,
-    recorder: CallRecorder,
+    after_backward: Callable[[ExchangeOp], None],
 ) -> torch.Tensor:
-    """``kv_exchange="ulysses"`` (:mod:`.ulysses`), with the per-call consensus and accounting of the key exchanges."""
-    device = query.device
-    after_backward = functools.partial(_after_backward, state, recorder, device)
-    out = ulysses.attend(state, kernel, query, key, value, scale, dropout_p, variant, recorder, after_backward)
-    if state.options.consensus == "call":
-        _settle_call(state, recorder, "forward", device)
+    """``kv_exchange="ulysses+*"`` (:mod:`.hybrid`): head all-to-all, the sequence part's :func:`_attend`, back.
+
+    Args:
+        state: The row's state (its hybrid sub-groups were created when it was built).
+        path: ``ulysses+halo``, ``ulysses+a2a`` or ``ulysses+allgather`` (configured, or ``auto``'s pick).
+        call: The kernel call (sinks ``[Hq]``: the sequence part runs with this rank's heads' slice).
+        query: Local queries ``[1, Hq, L, D]``; ``key`` ``[1, Hkv, L, D]``, ``value`` ``[1, Hkv, L, Dv]``.
+        after_backward: Runs once the head group's reverse q/k/v all-to-all (the call's last backward node) completed.
+
+    Returns:
+        ``[1, Hq, L, Dv]`` in local row order; padding rows are zero.
+    """
+    groups, sequence = state.hybrid, hybrid.sequence_row(state, path)
+    plan = hybrid.head_plan(state, query.shape[1], key.shape[1])
+    start, stop = plan.split.query[groups.head_rank]
+    variant = call.variant
+    if variant.sinks is not None:
+        variant = dataclasses.replace(variant, sinks=variant.sinks[start:stop])
+    route = _route(sequence, query.device, call.kernel, variant) if start < stop else None
+
+    def inner(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """This rank's heads ``[1, nq, h L, D]`` of the head group's rows: the sequence group's attention."""
+        if route is None:  # no head in this sequence group (Hq < h): none of its members exchanges anything
+            return kernels.zeros_attached(q, k, v, *variant.tensors, width=v.shape[3])
+        window_plan = sequence.cache.windows[variant.plan_key]
+        return _attend(sequence, window_plan, route, dataclasses.replace(call, variant=variant), q, k, v)
+
+    group, rank, stats = groups.head_group, groups.head_rank, state.stats
+    out = ulysses.exchange_heads(group, rank, plan, state.local_len, query, key, value, inner, stats, after_backward)
+    dims = (query.shape[3], value.shape[3], query.element_size())
+    hybrid.record_stats(state, path, plan, route, variant.plan_key, *dims)
     return out
 
 

@@ -20,7 +20,7 @@ from nemo_automodel.components.distributed.blockdiag_cp.options import CPOptions
 if TYPE_CHECKING:
     from nemo_automodel.components.distributed.blockdiag_cp.cost import Shape
     from nemo_automodel.components.distributed.blockdiag_cp.gpu_libraries import GpuLibraries
-    from nemo_automodel.components.distributed.blockdiag_cp.heads import RowPlan
+    from nemo_automodel.components.distributed.blockdiag_cp.heads import HeadExchange, RowPlan
     from nemo_automodel.components.distributed.blockdiag_cp.layout import ShardPlan
     from nemo_automodel.components.distributed.blockdiag_cp.metadata import WindowPlan
     from nemo_automodel.components.distributed.blockdiag_cp.topology import GroupHosts
@@ -97,6 +97,8 @@ class RowCache:
         finite: Per CP call, a device bool ``[3]``: are q, k, v all finite (no host sync).
         preflight: Answers of the seed's ``compat._needed_only_preflight`` (its collective runs once per key).
         ulysses: Per (window or chunk, Hq, Hkv), the head-parallel plan of ``kv_exchange="ulysses"``.
+        hybrid: Per hybrid path, its sequence part's row state (built at its first call).
+        hybrid_heads: Per (Hq, Hkv), the hybrid's head-group all-to-all plan.
     """
 
     windows: dict[PlanKey, WindowPlan] = field(default_factory=dict)
@@ -105,6 +107,8 @@ class RowCache:
     finite: list[torch.Tensor] = field(default_factory=list)
     preflight: dict[tuple[str, str, str, int, int], tuple[bool, str | None]] = field(default_factory=dict)
     ulysses: dict[tuple[PlanKey, int, int], RowPlan] = field(default_factory=dict)
+    hybrid: dict[str, RowState] = field(default_factory=dict)
+    hybrid_heads: dict[tuple[int, int], HeadExchange] = field(default_factory=dict)
 
 
 @dataclass
@@ -122,6 +126,7 @@ class RowStats:
         exchange_wait_s / exchange_backward_wait_s: Seconds blocked on the exchange, forward / backward.
         exchange_calls: Exchanges posted.
         ulysses: Head-parallel calls only: this rank's heads and the bytes one forward sent and received.
+        hybrid: ``ulysses+*`` calls only: the factorization and what each part moved.
     """
 
     calls: int = 0
@@ -135,6 +140,7 @@ class RowStats:
     exchange_backward_wait_s: float = 0.0
     exchange_calls: int = 0
     ulysses: dict[str, Any] | None = None
+    hybrid: dict[str, Any] | None = None
 
 
 @dataclass
@@ -242,6 +248,29 @@ class BlockdiagCpModelState:
             object.__setattr__(self, "positions", rows)
 
 
+@dataclass(frozen=True)
+class HybridGroups:
+    """This rank's two sub-groups (:mod:`.hybrid`) of a ``h x s`` factorization of its CP group.
+
+    Attributes:
+        heads: Head-parallel degree ``h`` (members of a head group).
+        sequence: Sequence degree ``s = cp / h`` (members of a sequence group).
+        head_group: This rank's head group (CP ranks ``[g h, (g + 1) h)``).
+        sequence_group: This rank's sequence group (CP ranks ``j, h + j, ...``).
+        head_rank: ``j``, this rank's index in its head group (``cp_rank % h``).
+        sequence_rank: ``g``, its index in its sequence group (``cp_rank // h``).
+        sequence_hosts: The sequence group's hosts (``None``: one host).
+    """
+
+    heads: int
+    sequence: int
+    head_group: dist.ProcessGroup = field(repr=False)
+    sequence_group: dist.ProcessGroup = field(repr=False)
+    head_rank: int
+    sequence_rank: int
+    sequence_hosts: GroupHosts | None = None
+
+
 @dataclass
 class RowState:
     """Everything one training step's CP attention calls need, fixed at batch-build time.
@@ -264,6 +293,7 @@ class RowState:
         hosts: Where the group's ranks run, gathered when the row was built (``None``: one rank; a
             state built by hand without them is taken to run on one host).
         libraries: The GPU libraries probed when the row was built (``None``: probed at the first call).
+        hybrid: The head and sequence sub-groups of a ``ulysses+*`` hybrid, created when the row was built.
         agreement: The rows agreed on together with this one (the builder adds the row to it).
         cache: Per-step memo (per-window plans and routes, agreement, kernel).
         stats: What the calls did (path, K/V received, time blocked on exchanges).
@@ -282,6 +312,7 @@ class RowState:
     options: CPOptions = field(default_factory=CPOptions)
     hosts: GroupHosts | None = None
     libraries: GpuLibraries | None = None
+    hybrid: HybridGroups | None = None
     agreement: StepAgreement = field(default_factory=StepAgreement)
     cache: RowCache = field(default_factory=RowCache)
     stats: RowStats = field(default_factory=RowStats)

@@ -55,6 +55,12 @@ class GroupHosts:
         """True when the group's ranks run on more than one host."""
         return len(set(self.hosts)) > 1
 
+    @property
+    def nodes(self) -> tuple[int, ...]:
+        """The node of every rank, in group order (hosts numbered in the order of their first rank)."""
+        number = {host: i for i, host in enumerate(self.ranks_by_host())}
+        return tuple(number[host] for host in self.hosts)
+
     def ranks_by_host(self) -> dict[str, tuple[int, ...]]:
         """``{host: global ranks}``, hosts in the order of their first rank."""
         grouped: dict[str, list[int]] = {}
