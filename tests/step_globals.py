@@ -24,7 +24,11 @@ import torch
 
 _PACKAGE = str(Path(__file__).resolve().parent.parent / "nemo_automodel")
 _WRITTEN = object()  # stands for a module attribute the code assigns (a process-wide swap)
-_IMMUTABLE = (int, float, complex, str, bytes, bool, type(None), tuple, frozenset, range, torch.dtype, torch.device)
+# MappingProxyType: a read-only view of a table fixed at import
+_IMMUTABLE = (
+    int, float, complex, str, bytes, bool, type(None), tuple, frozenset, range, torch.dtype, torch.device,
+    types.MappingProxyType,
+)  # fmt: skip
 
 
 def _mutable(value: object) -> bool:

@@ -145,7 +145,10 @@ def test_cost_model_bytes_per_part_and_inter_node_link():
     two_nodes = (0, 0, 0, 0, 1, 1, 1, 1)
     kv = compute_kv_plan(shard)
     best, reason = cost.choose_auto(shard, kv, shape, machine, nodes=two_nodes)
-    assert best.path != "allgather" and best.factorization == (4, 2), reason  # heads inside a node
+    # heads inside a node; between nodes only a collective unless needed-only across nodes is allowed
+    assert best.path == "ulysses+allgather" and best.factorization == (4, 2), reason
+    best, reason = cost.choose_auto(shard, kv, shape, machine, nodes=two_nodes, allow_cross_node=True)
+    assert best.path in ("ulysses+halo", "ulysses+a2a") and best.factorization == (4, 2), reason
     across = cost.predict("allgather", shard, kv, shape, machine, nodes=two_nodes)
     inside = cost.predict("allgather", shard, kv, shape, machine)
     assert across.step_s > inside.step_s  # the inter-node link is slower

@@ -347,22 +347,22 @@ def choose(
     nodes: Nodes = None,
     degrees: tuple[int, ...] = (),
     paths: tuple[str, ...] | None = None,
+    hybrids: tuple[str, ...] = HYBRID_PATHS,
 ) -> tuple[str, str, list[PathCost]]:
     """Pick the path with the lowest predicted step time for the calls of ``window``.
 
     Args:
         nodes: The node of every CP rank (``None``: one node).
-        degrees: Head-parallel degrees ``h`` whose hybrids are candidates too (each with every sequence path).
+        degrees: Head-parallel degrees ``h`` whose hybrids are candidates too.
         paths: The single paths to weigh (default: :func:`candidate_paths`).
+        hybrids: The hybrids weighed for each degree (default: every sequence path).
 
     Returns:
         ``(path, reason, costs)``; ties prefer needed-only paths (less memory).
     """
     singles = candidate_paths(kv) if paths is None else paths
     costs = [predict(p, shard, kv, shape, machine, overlap, window, nodes) for p in singles]
-    costs += [
-        predict_hybrid(p, h, shard, shape, machine, overlap, window, nodes) for h in degrees for p in HYBRID_PATHS
-    ]
+    costs += [predict_hybrid(p, h, shard, shape, machine, overlap, window, nodes) for h in degrees for p in hybrids]
     best = min(costs, key=lambda c: (round(c.step_s, 12), _PREFERENCE[c.path]))
     others = ", ".join(f"{c.label} {c.step_s * 1e3:.3g} ms" for c in costs if c is not best)
     reason = f"kv_exchange=auto: {best.label} predicted {best.step_s * 1e3:.3g} ms per layer step ({others})"
@@ -381,15 +381,16 @@ def choose_auto(
 ) -> tuple[PathCost, str]:
     """``kv_exchange=auto``'s pick, the runtime's and the planner's: ``(best, reason)``.
 
-    Candidates: the single paths (on a group that spans nodes ``allgather`` and ``ulysses`` only, unless
-    ``allow_cross_node``: needed-only messages between nodes are opt-in) and the hybrids of the default
-    factorization (:func:`default_degree`: heads inside a node x sequence between nodes).
+    Candidates: the single paths and the hybrids of the default factorization (:func:`default_degree`: heads
+    inside a node x sequence between nodes). On a group that spans nodes, needed-only messages between nodes
+    are opt-in (``allow_cross_node``): without it only collectives cross nodes (``allgather``, ``ulysses``,
+    ``ulysses+allgather``).
     """
-    singles = candidate_paths(kv)
+    singles, hybrids = candidate_paths(kv), HYBRID_PATHS
     if spans_nodes(nodes) and not allow_cross_node:
-        singles = ("allgather", "ulysses")
+        singles, hybrids = ("allgather", "ulysses"), ("ulysses+allgather",)
     h = default_degree(shard.cp, nodes)
-    _, reason, costs = choose(shard, kv, shape, machine, overlap, window, nodes, (h,) if h else (), singles)
+    _, reason, costs = choose(shard, kv, shape, machine, overlap, window, nodes, (h,) if h else (), singles, hybrids)
     best = min(costs, key=lambda c: (round(c.step_s, 12), _PREFERENCE[c.path]))
     return best, reason
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Literal
 
 from nemo_automodel.components.distributed.blockdiag_cp.cost import Shape
@@ -20,7 +22,10 @@ from nemo_automodel.components.distributed.blockdiag_cp.cost import Shape
 AttnBackend = Literal["auto", "fa3", "flash", "te", "torch_varlen", "sdpa_varlen", "dense"]
 KVExchange = Literal["auto", "allgather", "halo", "a2a", "ulysses", "ulysses+halo", "ulysses+a2a", "ulysses+allgather"]
 # The heads x sequence hybrids (:mod:`.hybrid`) and the exchange of their sequence part.
-SEQUENCE_PART: dict[str, str] = {"ulysses+halo": "halo", "ulysses+a2a": "a2a", "ulysses+allgather": "allgather"}
+# Each heads x sequence hybrid and its sequence part (read-only: the core reads it on the step path).
+SEQUENCE_PART: Mapping[str, str] = MappingProxyType(
+    {"ulysses+halo": "halo", "ulysses+a2a": "a2a", "ulysses+allgather": "allgather"}
+)
 Layout = Literal["auto", "contiguous", "balanced"]
 Consensus = Literal["step", "call"]
 

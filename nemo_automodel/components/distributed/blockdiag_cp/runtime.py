@@ -138,7 +138,8 @@ def _cp_group_spans_nodes(hosts: GroupHosts | None, allow_cross_node: bool) -> b
         "NEMO_CP_ALLOW_XNODE=1 keeps needed-only K/V exchanges across nodes"
         if allow_cross_node
         else "needed-only K/V exchange disabled (its point-to-point messages between nodes would cross the "
-        "inter-node link); using all-gather. Set NEMO_CP_ALLOW_XNODE=1 to force needed-only exchange across nodes.",
+        "inter-node link); only collectives cross nodes (all-gather; with kv_exchange=auto also ulysses and "
+        "ulysses+allgather). Set NEMO_CP_ALLOW_XNODE=1 to force needed-only exchange across nodes.",
     )
     return not allow_cross_node
 
@@ -179,10 +180,21 @@ def _exchange_path(state: RowState, device: torch.device, key: PlanKey) -> tuple
     if kv_exchange == "ulysses":  # a collective like all-gather: kept across nodes, as asked
         return "ulysses", None, "kv_exchange=ulysses (configured): heads travel, not keys"
     if kv_exchange in SEQUENCE_PART:  # explicit: its sequence part stays needed-only across nodes (hybrid.py)
+        if state.hosts is not None and state.hosts.spans_nodes:  # said first: the sequence row's line would not fit
+            log_once(
+                logger,
+                "cp-group-spans-nodes",
+                logging.WARNING,
+                "the CP group spans nodes (%s): kv_exchange=%s (configured) keeps its sequence part's exchange "
+                "between nodes, as asked",
+                state.hosts.describe(),
+                kv_exchange,
+            )
         groups = state.hybrid
         reason = f"kv_exchange={kv_exchange} (configured): heads {groups.heads} x sequence {groups.sequence}"
         return kv_exchange, None, reason
     if kv_exchange == "auto":  # the cost model knows the topology (needed-only between nodes only if allowed)
+        _cp_group_spans_nodes(state.hosts, state.options.allow_cross_node)  # says why, once per process
         kv_plan = _kv_plan(state, key, device)
         path, reason = _auto_choice(state, kv_plan, device, key)
         return path, kv_plan if path in ("halo", "a2a") else None, reason
