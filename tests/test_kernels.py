@@ -173,13 +173,20 @@ WINDOW_SHAPES = [
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("heads", [(4, 2), (2, 2)])
 @pytest.mark.parametrize(("q_len", "prefix", "window"), WINDOW_SHAPES)
-def test_sliding_window_is_mask_free_and_matches_reference(monkeypatch, batch, heads, q_len, prefix, window):
-    """The CPU window path (forward, dq/dk/dv) equals the explicit reference, without touching the masked tiles."""
+@pytest.mark.parametrize("tile_rows", [None, 3, 4])
+def test_sliding_window_is_mask_free_and_matches_reference(monkeypatch, batch, heads, q_len, prefix, window, tile_rows):
+    """The CPU window path (forward, dq/dk/dv) equals the explicit reference, without touching the masked tiles.
+
+    ``tile_rows`` below ``window - 1`` gives each tile a full key block between its two triangles that
+    overlaps the next tile's (3: overlaps in pieces of 3 and a short one; 4: in whole pieces).
+    """
 
     def no_masks(*args, **kwargs):
         raise AssertionError("the CPU window path fell back to masked tiles")
 
     monkeypatch.setattr(cpu_kernels, "_masked_tiles", no_masks)
+    if tile_rows is not None:
+        monkeypatch.setattr(cpu_kernels, "_WINDOW_TILE_ROWS", tile_rows)
     q, k, v = _window_segments(batch, q_len, q_len + prefix, heads)
     got, got_grads = _grads_all(lambda q, k, v: cpu_kernels._bottom_right_window(q, k, v, None, 0.0, window), (q, k, v))
     want, want_grads = _grads_all(lambda q, k, v: _window_reference(q, k, v, window), (q, k, v))
