@@ -174,11 +174,15 @@ WINDOW_SHAPES = [
 @pytest.mark.parametrize("heads", [(4, 2), (2, 2)])
 @pytest.mark.parametrize(("q_len", "prefix", "window"), WINDOW_SHAPES)
 @pytest.mark.parametrize("tile_rows", [None, 3, 4])
-def test_sliding_window_is_mask_free_and_matches_reference(monkeypatch, batch, heads, q_len, prefix, window, tile_rows):
+@pytest.mark.parametrize("call_elements", [None, 1])
+def test_sliding_window_is_mask_free_and_matches_reference(
+    monkeypatch, batch, heads, q_len, prefix, window, tile_rows, call_elements
+):
     """The CPU window path (forward, dq/dk/dv) equals the explicit reference, without touching the masked tiles.
 
     ``tile_rows`` below ``window - 1`` gives each tile a full key block between its two triangles that
     overlaps the next tile's (3: overlaps in pieces of 3 and a short one; 4: in whole pieces).
+    ``call_elements=1`` cuts every run of tiles into one call per tile.
     """
 
     def no_masks(*args, **kwargs):
@@ -187,6 +191,8 @@ def test_sliding_window_is_mask_free_and_matches_reference(monkeypatch, batch, h
     monkeypatch.setattr(cpu_kernels, "_masked_tiles", no_masks)
     if tile_rows is not None:
         monkeypatch.setattr(cpu_kernels, "_WINDOW_TILE_ROWS", tile_rows)
+    if call_elements is not None:
+        monkeypatch.setattr(cpu_kernels, "_WINDOW_CALL_ELEMENTS", call_elements)
     q, k, v = _window_segments(batch, q_len, q_len + prefix, heads)
     got, got_grads = _grads_all(lambda q, k, v: cpu_kernels._bottom_right_window(q, k, v, None, 0.0, window), (q, k, v))
     want, want_grads = _grads_all(lambda q, k, v: _window_reference(q, k, v, window), (q, k, v))
@@ -229,6 +235,27 @@ def test_sliding_window_saves_no_mask_sized_tensor():
         cpu_kernels._bottom_right_window(q, k, v, None, 0.0, 512)
     # q/k/v, the output and the log-sum-exp only: nothing [Q, K]- or [tile, W]-sized (a masked tile would be 256 x 767).
     assert max(saved) <= k.numel() < 256 * 767
+
+
+def test_sliding_window_calls_stay_within_their_key_budget(monkeypatch):
+    """A long segment's tiles are cut into calls whose key blocks hold at most ``_WINDOW_CALL_ELEMENTS``
+    elements: the flash backward returns key gradients that size (overlapping tiles repeat each key), so an
+    uncut run of a long document under a long window would allocate many times the keys' bytes."""
+    budget = 20_000
+    monkeypatch.setattr(cpu_kernels, "_WINDOW_CALL_ELEMENTS", budget)
+    sizes: list[int] = []
+    backward = cpu_kernels._CPU_FLASH_BACKWARD
+
+    def counting(grad, q, k, *args, **kwargs):
+        sizes.append(k.numel())
+        return backward(grad, q, k, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_kernels, "_CPU_FLASH_BACKWARD", counting)
+    q, k, v = _window_segments(1, 2048, 2048, (2, 2), dim=8)
+    cpu_kernels._bottom_right_window(q, k, v, None, 0.0, 512).sum().backward()
+    # 383-key middle blocks of 2 x 8 elements per key: 3 tiles per call, not the 12 tiles that share a shape
+    assert max(sizes) <= budget
+    assert max(sizes) == 3 * 383 * 2 * 8
 
 
 def test_sliding_window_bfloat16_close_to_reference():
