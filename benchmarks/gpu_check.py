@@ -7,7 +7,7 @@
 Sections (a kernel that cannot run here gets a ``skip: <reason>`` row, the reason from the registry):
 
 - ``parity``: forward + backward of ``kernels.blockdiag_attention`` for every kernel x bf16/fp16 against the
-  float64 reference (``tests/reference.py``) on segments with earlier keys (k > q, some long) and GQA, with a
+  float64 reference (``testing/reference.py``) on segments with earlier keys (k > q, some long) and GQA, with a
   sliding window (GQA), a window + soft-cap, attention sinks (and their gradient), and a value head dim of its own
   (MLA);
 - ``tflops``: forward + backward TFLOP/s of one packed row of 8K/32K/128K tokens (a long-tailed document mix,
@@ -297,7 +297,7 @@ def _variant_segment(
     """One segment from the variant's definition: ``q [1, Hq, Lq, D]`` are the last rows of ``k/v [1, Hkv, Lk, *]``.
 
     Row ``a`` is key position ``i = Lk - Lq + a`` and attends keys ``j`` with ``i - W < j <= i``;
-    scores are scaled, soft-capped, masked, softmaxed (float64 explicit softmax, as ``tests/reference.py``),
+    scores are scaled, soft-capped, masked, softmaxed (float64 explicit softmax, as ``testing/reference.py``),
     a head's sink logit joining the softmax as one more column that carries no value.
     """
     rep = q.shape[1] // k.shape[1]

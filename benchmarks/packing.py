@@ -8,7 +8,7 @@
 Documents are short conversations (lengths 20-300 tokens, seed 0) packed into 2048-token rows with
 ``first_fit_shuffle`` (the default) and ``first_fit_decreasing``. Prints seconds per size and packer, the
 ratio NeMo / ours, and checks that both give the same bins. ``--fill N`` times, for N such documents with
-answer-only targets, the tensor fill of the packed rows: the per-document loop it replaced (``tests/reference.py``)
+answer-only targets, the tensor fill of the packed rows: the per-document loop it replaced (``testing/reference.py``)
 against ``fill_rows`` over the flat document arrays the pipeline holds, with the ratio and a comparison value for
 value (ours are stored as int32).
 """

@@ -14,22 +14,7 @@ from typing import Any
 import torch
 
 from nemo_automodel.components.distributed.blockdiag_cp import gpu_kernels, gpu_libraries, kernels
-
-# moved to nemo_automodel.testing.cases; importable from here for branches written before the move
-from nemo_automodel.testing.cases import (  # noqa: F401
-    GPU_KERNELS,
-    LAYOUTS,
-    LOCAL,
-    Case,
-    attend_cases,
-    attend_one,
-    compare,
-    cp_mesh,
-    expected_exchange,
-    full_inputs,
-    layout,
-    reference_for,
-)
+from nemo_automodel.testing.cases import GPU_KERNELS, Case, attend_cases
 
 FAKES = Path(__file__).parent / "fakes"
 
