@@ -74,11 +74,17 @@ def test_ctrl_c_checkpoints_and_exits_like_sigterm_and_the_run_dir_has_the_worke
     assert marker["signal"] == "SIGINT" and (Path(marker["checkpoint"]) / "trainer_state.json").is_file()
     metrics = read_metrics(tmp_path)
     assert len(metrics) == marker["step"] < 60
-    assert all(r["loss_tokens"] > 0 and r["val_loss"] > 0 and r["val_ppl"] > 1 for r in metrics.values())
-    best = json.loads((tmp_path / "best" / "best.json").read_text())
-    assert best["val_loss"] == min(r["val_loss"] for r in metrics.values())
-    assert (Path(best["checkpoint"]) / "trainer_state.json").is_file()
+    assert all(r["loss_tokens"] > 0 for r in metrics.values())
+    # Every step validated, except that a signal landing during the last step's validation cuts it short: that
+    # step's row then has no val_loss, and the log says why (a CI run caught the race).
     log = (tmp_path / "finetune.log").read_text()
+    cut = f"validation after step {marker['step']} cut short by a signal: not recorded" in log
+    validated = [r for step, r in metrics.items() if not (cut and step == marker["step"])]
+    assert len(validated) >= len(metrics) - 1
+    assert all(r["val_loss"] > 0 and r["val_ppl"] > 1 for r in validated)
+    best = json.loads((tmp_path / "best" / "best.json").read_text())
+    assert best["val_loss"] == min(r["val_loss"] for r in validated)
+    assert (Path(best["checkpoint"]) / "trainer_state.json").is_file()
     for line in ("starting 2 local workers", "world 2 = dp 1 x cp 2", "val_loss", "preempted (SIGINT)", "summary:"):
         assert line in log, f"the run dir's log lacks {line!r}"
     assert "summary: preempted after step" in output and str(tmp_path / "metrics.jsonl") in output
