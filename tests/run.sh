@@ -17,7 +17,7 @@
 #   localhost/blockdiag-cp:test; about 3.1 GB) and a wheel cache (~/.cache/blockdiag-cp/container, about
 #   400 MB). The images are removed when the run ends unless --keep-images or TESTS_KEEP_IMAGES=1 (keeping
 #   them saves the next run the base build); the wheel cache stays (rm -rf it to reclaim the space).
-# - Time on 2 idle CPU cores: the whole suite about 15 minutes (14.5 of pytest, 1212 tests); --quick
+# - Time on 2 idle CPU cores: the whole suite about 16 minutes (14.3 of pytest, 1833 tests); --quick
 #   about 1 minute (394 tests; see docs/first_run.md for the measured figures).
 set -euo pipefail
 cd "$(dirname "$0")/.."
