@@ -80,7 +80,6 @@ def test_ctrl_c_checkpoints_and_exits_like_sigterm_and_the_run_dir_has_the_worke
     log = (tmp_path / "finetune.log").read_text()
     cut = f"validation after step {marker['step']} cut short by a signal: not recorded" in log
     validated = [r for step, r in metrics.items() if not (cut and step == marker["step"])]
-    assert len(validated) >= len(metrics) - 1
     assert all(r["val_loss"] > 0 and r["val_ppl"] > 1 for r in validated)
     best = json.loads((tmp_path / "best" / "best.json").read_text())
     assert best["val_loss"] == min(r["val_loss"] for r in validated)
